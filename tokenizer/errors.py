@@ -8,3 +8,7 @@ anything else is a bug and keeps its traceback.
 
 class UsageError(ValueError):
     """A mistake the user can fix: bad input, a missing file, a bad config value."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; training stopped and kept its last good checkpoint."""

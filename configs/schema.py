@@ -1,0 +1,265 @@
+"""Typed run configuration: TOML file + dotted `key=value` overrides -> one validated `Config`.
+
+The dataclasses are the schema: a TOML table fills one, an unknown key is an error, and every
+value is checked against the field's type. Overrides use the same dotted names as the TOML
+(`model.n_layer=4 train.max_steps=200`).
+
+    >>> cfg = load_config("configs/shakespeare_char.toml", ["train.max_steps=10"])  # doctest: +SKIP
+    >>> cfg.train.max_steps
+    10
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from model.config import ModelConfig
+from tokenizer.errors import UsageError
+
+
+@dataclass
+class TokenizerConfig:
+    kind: str = "bpe"  # bpe (trained here) | char (nanoGPT's baseline) | gpt2 (pretrained r50k)
+    vocab_size: int = 2048  # 256 bytes + merges + special tokens (bpe only)
+    special_tokens: list[str] = field(default_factory=lambda: ["<|endoftext|>"])
+    pattern: str = "gpt2"  # pre-tokenization regex: gpt2 | gpt4
+    gpt2_files: list[str] = field(default_factory=list)  # vocab.json + merges.txt (kind=gpt2)
+
+
+@dataclass
+class DataConfig:
+    input: list[str] = field(default_factory=list)  # text files; empty = dataset or the plays
+    dataset: str = ""  # Hugging Face dataset id, local dataset dir or data file
+    dataset_config: str = ""
+    split: str = "train"
+    text_field: str = "text"
+    val_fraction: float = 0.1  # the last tokens are validation, as nanoGPT does
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 12  # sequences per optimizer step (all devices together)
+    max_steps: int = 2000
+    learning_rate: float = 1e-3  # peak, after warmup
+    min_lr: float = 1e-4  # end of the cosine decay
+    warmup_steps: int = 100
+    lr_decay_steps: int = 0  # cosine length; 0 = max_steps
+    weight_decay: float = 0.1  # matrices only
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # global norm; 0 = off
+    grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
+    eval_interval: int = 250  # steps between validation runs (and checkpoints)
+    eval_steps: int = 200  # validation batches per evaluation
+    log_interval: int = 10
+    checkpoint_interval: int = 0  # 0 = at every eval
+    seed: int = 1337
+    qat_bits: int = 0  # quantization-aware training: 0 = off, 8 or 4
+    fsdp: bool = False  # shard parameters over the data axis too (ZeRO-3 style)
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = "\n"
+    max_new_tokens: int = 500
+    temperature: float = 0.8
+    top_k: int = 200  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int = 1337
+    num_samples: int = 1
+    kv_cache: bool = True
+
+
+@dataclass
+class Config:
+    name: str = "default"  # names the run directory runs/<name>
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=0))
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name for f in dataclasses.fields(Config) if f.name != "name"}
+
+
+def load_config(
+    path: str | Path | None, overrides: Sequence[str | tuple[str, Any]] = ()
+) -> Config:
+    """Read a TOML config (or the defaults when `path` is None), apply overrides, validate.
+
+    An override is a `"key=value"` string or an already parsed `(key, value)` pair; later ones
+    win.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_toml(Path(path))
+        raw.setdefault("name", Path(path).stem)
+    for item in overrides:
+        key, value = parse_override(item) if isinstance(item, str) else item
+        _set_dotted(raw, key, value)
+    cfg = config_from_dict(raw)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build a Config from nested plain data (TOML tables or a saved `to_dict`)."""
+    return _build(Config, raw, "")
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise UsageError(f"config file not found: {path} (see configs/ for the shipped ones)")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise UsageError(f"config file {path} is not valid TOML: {err}") from None
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`"train.max_steps=200"` -> ("train.max_steps", 200); values parse as TOML, else str."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UsageError(f"override {item!r} is not key=value (e.g. train.max_steps=200)")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # bare words (rmsnorm, ../data.txt) are strings
+    return key, value
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UsageError(f"unknown config key {key!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise UsageError(f"config key {prefix.rstrip('.')!r} must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        where = f"section [{prefix.rstrip('.')}]" if prefix else "the top level"
+        raise UsageError(
+            f"unknown config key '{prefix}{unknown[0]}' in {where}; "
+            f"valid keys: {', '.join(sorted(fields))}"
+        )
+    values = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            values[name] = _coerce(value, hint, f"{prefix}{name}")
+    if cls is ModelConfig:
+        values.setdefault("vocab_size", 0)  # known only once the tokenizer exists
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, str):
+            value = [value]  # `--input a.txt` style: one item
+        if not isinstance(value, list):
+            raise UsageError(f"config key {key!r} must be a list, got {value!r}")
+        return [_coerce(v, item, key) for v in value]
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        return value
+    raise UsageError(f"config key {key!r} must be {hint.__name__}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    """Check values that types alone cannot: ranges, choices, divisibility."""
+    t, d, tok = cfg.train, cfg.data, cfg.tokenizer
+    positive = {
+        "train.batch_size": t.batch_size,
+        "train.max_steps": t.max_steps,
+        "train.grad_accum": t.grad_accum,
+        "train.eval_interval": t.eval_interval,
+        "train.eval_steps": t.eval_steps,
+        "train.log_interval": t.log_interval,
+        "sample.max_new_tokens": cfg.sample.max_new_tokens,
+        "sample.num_samples": cfg.sample.num_samples,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise UsageError(f"{key} must be positive, got {value}")
+    non_negative = {
+        "train.warmup_steps": t.warmup_steps,
+        "train.lr_decay_steps": t.lr_decay_steps,
+        "train.weight_decay": t.weight_decay,
+        "train.grad_clip": t.grad_clip,
+        "train.checkpoint_interval": t.checkpoint_interval,
+        "train.min_lr": t.min_lr,
+        "sample.top_k": cfg.sample.top_k,
+        "sample.temperature": cfg.sample.temperature,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise UsageError(f"{key} must be >= 0, got {value}")
+    if t.learning_rate <= 0:
+        raise UsageError(f"train.learning_rate must be positive, got {t.learning_rate}")
+    if t.batch_size % t.grad_accum:
+        raise UsageError(
+            f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum "
+            f"({t.grad_accum})"
+        )
+    if t.qat_bits not in (0, 4, 8):
+        raise UsageError(f"train.qat_bits must be 0 (off), 8 or 4, got {t.qat_bits}")
+    if not 0 < cfg.sample.top_p <= 1:
+        raise UsageError(f"sample.top_p must be in (0, 1], got {cfg.sample.top_p}")
+    if not 0 < d.val_fraction < 1:
+        raise UsageError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
+    if tok.kind not in ("bpe", "char", "gpt2"):
+        raise UsageError(f"tokenizer.kind must be bpe, char or gpt2, got {tok.kind!r}")
+    if tok.pattern not in ("gpt2", "gpt4"):
+        raise UsageError(f"tokenizer.pattern must be gpt2 or gpt4, got {tok.pattern!r}")
+    if tok.kind == "bpe" and tok.vocab_size < 256 + len(tok.special_tokens):
+        raise UsageError(
+            f"tokenizer.vocab_size {tok.vocab_size} is below 256 bytes + "
+            f"{len(tok.special_tokens)} special tokens; use at least {256 + len(tok.special_tokens)}"
+        )
+    if not cfg.name or "/" in cfg.name:
+        raise UsageError(f"config name {cfg.name!r} must be a plain, non-empty name")
+    # Model values (n_embd % n_head, norms, ...) are checked by the model's own validate();
+    # vocab_size is filled in from the tokenizer, so check with a placeholder.
+    dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, 1)).validate()
