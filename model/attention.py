@@ -1,0 +1,158 @@
+"""Causal multi-head self-attention, with an optional explicit KV cache.
+
+The math is one pure function (`attend`); the module owns the projections and the cache
+writes. The same code serves training (keys = this call's tokens, causal mask) and decoding
+(keys = the whole preallocated cache, masked by absolute position), so the two paths cannot
+drift apart.
+
+Example:
+    >>> from flax import nnx
+    >>> from model.config import ModelConfig
+    >>> cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    >>> attn = CausalSelfAttention(cfg, rngs=nnx.Rngs(0))
+    >>> y, _ = attn(jnp.ones((1, 4, 32)), jnp.arange(4))
+    >>> y.shape
+    (1, 4, 32)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.config import ModelConfig
+from model.rope import apply_rope
+
+LayerCache = dict[str, jax.Array]  # {"k": [B, S, H, Dh], "v": [B, S, H, Dh]}
+
+# Masked scores get the most negative float32 rather than -inf: a fully masked row (never
+# produced by our callers) would then give a uniform softmax instead of NaNs.
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def attend(
+    q_BxTxHxD: jax.Array,
+    k_BxSxHxD: jax.Array,
+    v_BxSxHxD: jax.Array,
+    mask_TxS: jax.Array,
+    *,
+    dropout: nnx.Dropout | None = None,
+    deterministic: bool = True,
+    rngs: nnx.Rngs | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention; scores and softmax in float32, output in q's dtype.
+
+    mask_TxS is True where query t may attend to key s.
+    """
+    scale = 1.0 / math.sqrt(q_BxTxHxD.shape[-1])
+    scores_BxHxTxS = jnp.einsum(
+        "bthd,bshd->bhts", q_BxTxHxD, k_BxSxHxD, preferred_element_type=jnp.float32
+    )
+    scores_BxHxTxS = jnp.where(mask_TxS[None, None], scores_BxHxTxS * scale, _MASKED)
+    probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1)
+    if dropout is not None:
+        probs_BxHxTxS = dropout(probs_BxHxTxS, deterministic=deterministic, rngs=rngs)
+    probs_BxHxTxS = probs_BxHxTxS.astype(v_BxSxHxD.dtype)
+    return jnp.einsum("bhts,bshd->bthd", probs_BxHxTxS, v_BxSxHxD)
+
+
+def causal_mask(t: int) -> jax.Array:
+    """[T, T] boolean lower-triangular mask: query t sees keys 0..t."""
+    return jnp.tril(jnp.ones((t, t), dtype=bool))
+
+
+def position_mask(query_pos_T: jax.Array, num_keys: int) -> jax.Array:
+    """[T, S] mask for a cache: query at absolute position p sees cache slots 0..p.
+
+    Slots beyond p hold stale or padding entries; masking by position (not by a length) keeps
+    every shape fixed, so one compiled program serves every step.
+    """
+    return jnp.arange(num_keys)[None, :] <= query_pos_T[:, None]
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head attention with fused qkv projection, as in GPT-2."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = cfg.compute_dtype
+        std = 0.02
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
+        self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
+        self.c_attn = nnx.Linear(
+            cfg.n_embd,
+            3 * cfg.n_embd,
+            use_bias=cfg.bias,
+            dtype=dtype,
+            param_dtype=jnp.float32,
+            kernel_init=nnx.initializers.normal(std),
+            bias_init=nnx.initializers.zeros,
+            rngs=rngs,
+        )
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), two per block, so the
+        # residual stream's variance does not grow with depth.
+        self.c_proj = nnx.Linear(
+            cfg.n_embd,
+            cfg.n_embd,
+            use_bias=cfg.bias,
+            dtype=dtype,
+            param_dtype=jnp.float32,
+            kernel_init=nnx.initializers.normal(std / math.sqrt(2 * cfg.n_layer)),
+            bias_init=nnx.initializers.zeros,
+            rngs=rngs,
+        )
+        self.attn_dropout = nnx.Dropout(cfg.dropout) if cfg.dropout > 0 else None
+        self.resid_dropout = nnx.Dropout(cfg.dropout)
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        positions_T: jax.Array,
+        *,
+        cache: LayerCache | None = None,
+        deterministic: bool = True,
+        rngs: nnx.Rngs | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """Attend; with a cache, write this call's k/v at positions_T[0] and attend over it.
+
+        positions_T are the absolute positions of the T tokens (consecutive).
+        """
+        b, t, _ = x_BxTxD.shape
+        qkv_BxTx3D = self.c_attn(x_BxTxD)
+        q, k, v = jnp.split(qkv_BxTx3D, 3, axis=-1)
+        q_BxTxHxD = q.reshape(b, t, self.n_head, self.head_dim)
+        k_BxTxHxD = k.reshape(b, t, self.n_head, self.head_dim)
+        v_BxTxHxD = v.reshape(b, t, self.n_head, self.head_dim)
+        if self.rope_theta is not None:
+            q_BxTxHxD = apply_rope(q_BxTxHxD, positions_T, self.rope_theta)
+            k_BxTxHxD = apply_rope(k_BxTxHxD, positions_T, self.rope_theta)
+
+        if cache is None:
+            keys, values, mask = k_BxTxHxD, v_BxTxHxD, causal_mask(t)
+            new_cache = None
+        else:
+            start = (0, positions_T[0], 0, 0)
+            keys = jax.lax.dynamic_update_slice(
+                cache["k"], k_BxTxHxD.astype(cache["k"].dtype), start
+            )
+            values = jax.lax.dynamic_update_slice(
+                cache["v"], v_BxTxHxD.astype(cache["v"].dtype), start
+            )
+            mask = position_mask(positions_T, keys.shape[1])
+            new_cache = {"k": keys, "v": values}
+
+        y_BxTxHxD = attend(
+            q_BxTxHxD,
+            keys,
+            values,
+            mask,
+            dropout=self.attn_dropout,
+            deterministic=deterministic,
+            rngs=rngs,
+        )
+        y_BxTxD = self.c_proj(y_BxTxHxD.reshape(b, t, self.n_head * self.head_dim))
+        y_BxTxD = self.resid_dropout(y_BxTxD, deterministic=deterministic, rngs=rngs)
+        return y_BxTxD, new_cache

@@ -1,0 +1,91 @@
+"""The model's hyperparameters: one typed, validated dataclass.
+
+Example:
+    >>> cfg = ModelConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    >>> cfg.validate()
+    >>> cfg.head_dim
+    16
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from tokenizer.errors import UsageError
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+# unsafe_hash: the config is static data of the model's graphdef, which jit hashes as a static
+# argument; the model keeps its own copy, so later edits of the caller's config are harmless.
+@dataclass(unsafe_hash=True)
+class ModelConfig:
+    vocab_size: int  # number of token ids the embedding and the output layer cover
+    block_size: int = 256  # context length: the most tokens the model attends over at once
+    n_layer: int = 6  # number of transformer blocks
+    n_head: int = 6  # attention heads per block; n_embd must be a multiple of it
+    n_embd: int = 384  # width of the residual stream (defaults: nanoGPT's Shakespeare model)
+    dropout: float = 0.0  # dropout rate on embeddings, attention weights and residual branches
+    bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 had them)
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm" (pre-norm, before each sub-block)
+    mlp: str = "gelu"  # "gelu" (4x hidden, GPT-2) | "swiglu" (gated, ~8/3x hidden, Llama)
+    position: str = "learned"  # "learned" absolute embeddings | "rope" rotary on q and k
+    rope_theta: float = 10000.0  # RoPE base: wavelengths grow geometrically up to 2*pi*theta
+    moe_experts: int = 0  # experts per MoE layer; 0 = dense MLP everywhere
+    moe_top_k: int = 2  # experts each token is routed to (when moe_experts > 0)
+    moe_every: int = 1  # an MoE MLP replaces the dense MLP in every k-th block
+    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"; params always float32
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head (n_embd // n_head)."""
+        return self.n_embd // self.n_head
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """The jnp dtype activations are computed in."""
+        return DTYPES[self.dtype]
+
+    def validate(self) -> ModelConfig:
+        """Raise UsageError with one line naming the first bad value; return self if valid."""
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "moe_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UsageError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise UsageError(
+                f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head ({self.n_head})"
+            )
+        _check_choice("norm", self.norm, NORMS)
+        _check_choice("mlp", self.mlp, MLPS)
+        _check_choice("position", self.position, POSITIONS)
+        _check_choice("dtype", self.dtype, tuple(DTYPES))
+        if self.position == "rope" and self.head_dim % 2 != 0:
+            raise UsageError(
+                f"model.position='rope' needs an even head dim, got n_embd/n_head = {self.head_dim}"
+            )
+        if self.position == "rope" and not self.rope_theta > 0:
+            raise UsageError(f"model.rope_theta must be > 0, got {self.rope_theta!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UsageError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.moe_experts < 0 or self.moe_top_k <= 0:
+            raise UsageError(
+                f"model.moe_experts must be >= 0 and model.moe_top_k >= 1, "
+                f"got {self.moe_experts} and {self.moe_top_k}"
+            )
+        if self.moe_experts > 0 and self.moe_top_k > self.moe_experts:
+            raise UsageError(
+                f"model.moe_top_k ({self.moe_top_k}) cannot exceed "
+                f"model.moe_experts ({self.moe_experts})"
+            )
+        return self
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UsageError(f"model.{name} must be one of {', '.join(choices)}; got {value!r}")
