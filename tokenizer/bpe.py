@@ -1,0 +1,257 @@
+"""Byte-level BPE tokenizer: training entry point, encoding by merge rank, GPT-2 loading.
+
+>>> tok = BPETokenizer.train("low lower lowest " * 50, vocab_size=260)
+>>> tok.merges[0], tok.vocab_size
+((b'o', b'w'), 260)
+>>> tok.decode(tok.encode("slow lowers")) == "slow lowers"
+True
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from itertools import chain, pairwise
+from typing import Any, Self
+
+from tokenizer.base import Tokenizer, normalize_specials
+from tokenizer.bpe_train import train_merges
+from tokenizer.errors import UsageError
+from tokenizer.gpt2_files import read_gpt2_files, read_tiktoken_file, write_gpt2_files
+from tokenizer.pretokenize import compile_pattern, compile_specials, count_chunks, split_specials
+
+_SINGLE_BYTES = [bytes([b]) for b in range(256)]
+_NO_RANK = float("inf")
+# The chunk cache is dropped when it grows past this many entries, so that encoding a stream
+# with ever new chunks (e.g. numbers) keeps bounded memory; real text repeats its chunks.
+CACHE_MAX_ENTRIES = 1 << 18
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE (GPT-2 style).
+
+    `vocab` maps ids to bytes (any ids: GPT-2's are not "bytes, then merges in order");
+    `merges` lists the merged pairs by rank (lowest rank merges first when encoding);
+    `special_tokens` maps special-token text to id.
+    """
+
+    kind = "bpe"
+
+    def __init__(
+        self,
+        vocab: Mapping[int, bytes],
+        merges: Iterable[tuple[bytes, bytes]],
+        special_tokens: Mapping[str, int] | None = None,
+        pattern: str = "gpt2",
+    ) -> None:
+        self.vocab = dict(vocab)
+        self.merges = [(a, b) for a, b in merges]
+        self.special_tokens = dict(special_tokens or {})
+        self._split_re = compile_pattern(pattern)
+        self.pattern = self._split_re.pattern
+        self._specials_re = compile_specials(self.special_tokens)
+        for text, idx in self.special_tokens.items():
+            if self.vocab.get(idx) != text.encode("utf-8"):
+                raise UsageError(f"special token {text!r} has id {idx}, which is not that token")
+        special_ids = set(self.special_tokens.values())
+        # Output ids by token bytes; lowest id wins if a byte string occurs twice.
+        self._id_of: dict[bytes, int] = {}
+        for idx in sorted(self.vocab, reverse=True):
+            if idx not in special_ids:
+                self._id_of[self.vocab[idx]] = idx
+        self._ranks: dict[tuple[bytes, bytes], int] = {}
+        for rank, (a, b) in enumerate(self.merges):
+            self._ranks.setdefault((a, b), rank)
+        missing = [b for b in _SINGLE_BYTES if b not in self._id_of]
+        missing += [a + b for a, b in self.merges if a + b not in self._id_of]
+        if missing:
+            raise UsageError(
+                f"inconsistent BPE tokenizer: tokens {missing[:3]} are not in the vocab"
+            )
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    # --- construction -----------------------------------------------------------------------
+    @classmethod
+    def train(
+        cls,
+        corpus: str | Iterable[str],
+        vocab_size: int,
+        special_tokens: Iterable[str] = (),
+        pattern: str = "gpt2",
+        progress: bool = False,
+    ) -> Self:
+        """Train on a str or an iterable of str (e.g. an open file: read lazily).
+
+        Ids: 0..255 the bytes, then the merges in order, then the special tokens, so that
+        `vocab_size` = 256 + number of merges + number of special tokens. Ties between pairs
+        of equal count go to the lexicographically greater pair of byte strings.
+        Fewer merges than asked are learned if the corpus runs out of pairs.
+        """
+        specials = normalize_specials(special_tokens)
+        if isinstance(corpus, bytes | bytearray | os.PathLike):
+            raise UsageError("corpus must be a str or an iterable of str (read the file first)")
+        minimum = 256 + len(specials)
+        if not isinstance(vocab_size, int) or vocab_size < minimum:
+            raise UsageError(
+                f"vocab_size {vocab_size} is too small: byte-level BPE needs at least 256 bytes"
+                f" + {len(specials)} special tokens = {minimum}"
+            )
+        source = compile_pattern(pattern).pattern
+        counts = count_chunks(corpus, source, specials)
+        if not counts:
+            raise UsageError("the corpus is empty: no text to train the tokenizer on")
+        merges = train_merges(counts, vocab_size - minimum, progress=progress)
+        vocab = {b: _SINGLE_BYTES[b] for b in range(256)}
+        for k, (a, b) in enumerate(merges):
+            vocab[256 + k] = a + b
+        special_ids = {s: len(vocab) + k for k, s in enumerate(specials)}
+        for s, idx in special_ids.items():
+            vocab[idx] = s.encode("utf-8")
+        return cls(vocab, merges, special_ids, source)
+
+    @classmethod
+    def from_gpt2_files(
+        cls,
+        vocab_json: str | os.PathLike,
+        merges_txt: str | os.PathLike,
+        special_tokens: Iterable[str] = (),
+    ) -> Self:
+        """Load GPT-2's `vocab.json` + `merges.txt` (or OpenAI's `encoder.json` + `vocab.bpe`).
+
+        A special token in the vocab file (GPT-2's `<|endoftext|>` is 50256) keeps its id;
+        others get new ids after the largest.
+
+            >>> eot = ["<|endoftext|>"]
+            >>> tok = BPETokenizer.from_gpt2_files("vocab.json", "merges.txt", eot)  # doctest:+SKIP
+            >>> tok.encode("Hello, world!<|endoftext|>")  # doctest: +SKIP
+            [15496, 11, 995, 0, 50256]
+        """
+        vocab, merges, literal = read_gpt2_files(vocab_json, merges_txt)
+        return cls(vocab, merges, _assign_specials(vocab, special_tokens, literal, merges), "gpt2")
+
+    @classmethod
+    def from_tiktoken(
+        cls,
+        path: str | os.PathLike,
+        special_tokens: Mapping[str, int] | Iterable[str] | None = None,
+        pattern: str = "gpt2",
+    ) -> Self:
+        """Load a `.tiktoken` file (base64 token + rank per line; ranks are the ids).
+
+        Special tokens are not in such files: give them as {text: id}, or as a list of texts
+        to number after the largest rank (GPT-2: `["<|endoftext|>"]` -> 50256).
+        """
+        vocab, merges = read_tiktoken_file(path)
+        return cls(
+            vocab, merges, _assign_specials(vocab, special_tokens or (), {}, merges), pattern
+        )
+
+    def export_gpt2_files(
+        self, vocab_json: str | os.PathLike, merges_txt: str | os.PathLike
+    ) -> None:
+        """Write GPT-2-style `vocab.json` + `merges.txt` (loadable by Hugging Face tokenizers)."""
+        write_gpt2_files(self.vocab, self.merges, self.special_tokens, vocab_json, merges_txt)
+
+    # --- encoding ---------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`; special tokens in it are split out first (longest match first).
+
+        >>> tok = BPETokenizer.train("aaab" * 10, vocab_size=258, special_tokens=["<s>"])
+        >>> tok.encode("aab<s>")
+        [256, 98, 257]
+        """
+        if self._specials_re is None:
+            return self.encode_ordinary(text)
+        out: list[int] = []
+        for i, segment in enumerate(split_specials(text, self._specials_re)):
+            if i % 2:
+                out.append(self.special_tokens[segment])
+            elif segment:
+                out.extend(self.encode_ordinary(segment))
+        return out
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Ids of `text` with special tokens treated as plain text."""
+        chunks = self._split_re.findall(text)
+        cache = self._cache
+        new = set(chunks).difference(cache)
+        if new:
+            if len(cache) + len(new) > CACHE_MAX_ENTRIES:
+                cache.clear()
+            encode_chunk = self._encode_chunk
+            for chunk in new:
+                cache[chunk] = encode_chunk(chunk)
+        # Every chunk is cached now: the lookups and the flattening run in C.
+        return list(chain.from_iterable(map(cache.__getitem__, chunks)))
+
+    def _encode_chunk(self, chunk: str) -> tuple[int, ...]:
+        """BPE of one chunk: repeatedly merge the adjacent pair of lowest merge rank."""
+        parts = [_SINGLE_BYTES[b] for b in chunk.encode("utf-8")]
+        ranks = self._ranks
+        while len(parts) > 1:
+            pair = min(pairwise(parts), key=lambda p: ranks.get(p, _NO_RANK))
+            if pair not in ranks:
+                break
+            a, b = pair
+            merged = a + b
+            out: list[bytes] = []
+            i, n = 0, len(parts)
+            while i < n:
+                if i < n - 1 and parts[i] == a and parts[i + 1] == b:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(parts[i])
+                    i += 1
+            parts = out
+        id_of = self._id_of
+        return tuple([id_of[p] for p in parts])
+
+    # --- persistence ------------------------------------------------------------------------
+    def _params(self) -> dict[str, Any]:
+        return {
+            "vocab": dict(self.vocab),
+            "merges": list(self.merges),
+            "special_tokens": dict(self.special_tokens),
+            "pattern": self.pattern,
+        }
+
+    @classmethod
+    def _from_params(cls, params: dict[str, Any]) -> Self:
+        return cls(params["vocab"], params["merges"], params["special_tokens"], params["pattern"])
+
+
+def _assign_specials(
+    vocab: dict[int, bytes],
+    special_tokens: Mapping[str, int] | Iterable[str],
+    literal: Mapping[str, int],
+    merges: list[tuple[bytes, bytes]],
+) -> dict[str, int]:
+    """Special-token ids: given ones, else the vocab's own entry (one that is neither a byte nor
+    a merge result, like GPT-2's `<|endoftext|>`), else new ids after the max.
+
+    New entries are added to `vocab`.
+    """
+    if isinstance(special_tokens, Mapping):
+        given = dict(special_tokens)
+        names = normalize_specials(given)
+    else:
+        given = {}
+        names = normalize_specials(special_tokens)
+    ordinary = set(_SINGLE_BYTES) | {a + b for a, b in merges}
+    by_bytes = {tok: idx for idx, tok in sorted(vocab.items(), reverse=True) if tok not in ordinary}
+    out: dict[str, int] = {}
+    for name in names:
+        if name in given:
+            idx = given[name]
+            if idx in vocab and vocab[idx] != name.encode("utf-8"):
+                raise UsageError(f"special token {name!r}: id {idx} is already another token")
+        elif name in literal:
+            idx = literal[name]
+        elif name.encode("utf-8") in by_bytes:
+            idx = by_bytes[name.encode("utf-8")]
+        else:
+            idx = max(vocab, default=-1) + 1
+        vocab[idx] = name.encode("utf-8")
+        out[name] = idx
+    return out

@@ -1,0 +1,119 @@
+"""Character-level tokenizer: the vocabulary is the sorted set of the corpus's characters.
+
+The classic nanoGPT Shakespeare baseline, behind the same interface as BPE. A character it
+has not seen cannot be encoded (there is no byte fallback): that is a `UsageError` naming the
+characters.
+
+    >>> tok = CharTokenizer.train("hello world")
+    >>> tok.encode("low"), tok.decode([3, 5])
+    ([4, 5, 7], 'ho')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Self
+
+from tokenizer.base import Tokenizer, normalize_specials
+from tokenizer.errors import UsageError
+from tokenizer.pretokenize import compile_specials, iter_safe_pieces, split_specials
+
+
+class CharTokenizer(Tokenizer):
+    """One token per character (ids in sorted character order), then the special tokens."""
+
+    kind = "char"
+
+    def __init__(
+        self, chars: Sequence[str], special_tokens: Mapping[str, int] | None = None
+    ) -> None:
+        if any(not isinstance(c, str) or len(c) != 1 for c in chars) or len(set(chars)) != len(
+            chars
+        ):
+            raise UsageError("a character vocabulary must be distinct single characters")
+        self.chars = list(chars)
+        self._stoi = {c: i for i, c in enumerate(self.chars)}
+        self.vocab = {i: c.encode("utf-8") for i, c in enumerate(self.chars)}
+        self.special_tokens = dict(special_tokens or {})
+        for text, idx in self.special_tokens.items():
+            if idx in self.vocab:
+                raise UsageError(f"special token {text!r}: id {idx} is already a character")
+            self.vocab[idx] = text.encode("utf-8")
+        self.merges: list[tuple[bytes, bytes]] = []
+        self._specials_re = compile_specials(self.special_tokens)
+
+    @classmethod
+    def train(
+        cls,
+        corpus: str | Iterable[str],
+        vocab_size: int | None = None,
+        special_tokens: Iterable[str] = (),
+        pattern: str | None = None,
+        progress: bool = False,
+    ) -> Self:
+        """Collect the characters of a str or iterable of str (special tokens excluded).
+
+        `vocab_size`, `pattern` and `progress` are accepted for interface compatibility with
+        BPE and ignored: the corpus decides the vocabulary.
+        """
+        del vocab_size, pattern, progress
+        specials = normalize_specials(special_tokens)
+        specials_re = compile_specials(specials)
+        max_len = max(map(len, specials), default=0)
+        pieces = (
+            [corpus] if isinstance(corpus, str) else iter_safe_pieces(corpus, specials_re, max_len)
+        )
+        seen: set[str] = set()
+        for piece in pieces:
+            for i, segment in enumerate(split_specials(piece, specials_re)):
+                if i % 2 == 0:
+                    seen.update(segment)
+        if not seen:
+            raise UsageError("the corpus is empty: no characters to build a vocabulary from")
+        chars = sorted(seen)
+        return cls(chars, {s: len(chars) + k for k, s in enumerate(specials)})
+
+    def encode(self, text: str) -> list[int]:
+        """One id per character; special tokens in the text are single ids."""
+        if self._specials_re is None:
+            return self._encode_chars(text)
+        out: list[int] = []
+        for i, segment in enumerate(split_specials(text, self._specials_re)):
+            if i % 2:
+                out.append(self.special_tokens[segment])
+            else:
+                out.extend(self._encode_chars(segment))
+        return out
+
+    def _encode_chars(self, text: str) -> list[int]:
+        stoi = self._stoi
+        try:
+            return [stoi[c] for c in text]
+        except KeyError:
+            unknown = sorted(set(text).difference(stoi))
+            shown = ", ".join(repr(c) for c in unknown[:10])
+            more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+            raise UsageError(
+                f"the character-level vocabulary has no {shown}{more}; use only characters"
+                " seen in training (or a byte-level tokenizer)"
+            ) from None
+
+    def _params(self) -> dict[str, Any]:
+        return {
+            "vocab": dict(self.vocab),
+            "merges": [],
+            "special_tokens": dict(self.special_tokens),
+            "pattern": "",
+        }
+
+    @classmethod
+    def _from_params(cls, params: dict[str, Any]) -> Self:
+        special_ids = set(params["special_tokens"].values())
+        ids = sorted(i for i in params["vocab"] if i not in special_ids)
+        if ids != list(range(len(ids))):
+            raise UsageError("character vocabulary ids must be 0..n-1")
+        try:
+            chars = [params["vocab"][i].decode("utf-8") for i in ids]
+        except UnicodeDecodeError:
+            raise UsageError("character vocabulary holds invalid UTF-8") from None
+        return cls(chars, params["special_tokens"])
