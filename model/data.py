@@ -1,0 +1,149 @@
+"""The token cache and the batches drawn from it.
+
+The corpus is encoded once with the run's tokenizer into `run_dir/tokens/tokens.bin` (uint16
+when the vocab fits, as nanoGPT's train.bin) plus `meta.json`; training memory-maps it. The
+cache is rebuilt when the corpus fingerprint or the tokenizer file changes. The last
+`val_fraction` of the tokens is validation (nanoGPT's split).
+
+Batches are random windows whose offsets come from a numpy Generator seeded by (seed, step),
+so any step's batch can be recomputed after a resume without replaying the ones before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tokenizer.errors import UsageError
+
+CACHE_DIR = "tokens"
+CACHE_VERSION = 1
+_WRITE_BATCH = 1 << 20  # tokens buffered before a write to the cache file
+
+
+@dataclass(frozen=True)
+class TokenSplits:
+    """Memory-mapped train/val token arrays and what bits-per-byte needs."""
+
+    train: np.ndarray
+    val: np.ndarray
+    val_bytes: int  # UTF-8 bytes the validation tokens decode to
+
+    @property
+    def val_bytes_per_token(self) -> float:
+        return self.val_bytes / max(len(self.val), 1)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_token_splits(
+    corpus, tokenizer, tokenizer_path: Path, run_dir: Path, val_fraction: float
+) -> TokenSplits:
+    """Encode the corpus into the cache if it is missing or stale, then memory-map it."""
+    cache = run_dir / CACHE_DIR
+    key = {
+        "version": CACHE_VERSION,
+        "corpus": corpus.fingerprint,
+        "tokenizer": file_sha256(tokenizer_path),
+    }
+    meta_path = cache / "meta.json"
+    meta = _read_meta(meta_path)
+    if meta is None or meta.get("key") != key:
+        meta = _build_cache(corpus, tokenizer, cache, key)
+    tokens = np.memmap(cache / "tokens.bin", dtype=meta["dtype"], mode="r")
+    n = len(tokens)
+    n_val = int(n * val_fraction)
+    if n - n_val < 2 or n_val < 2:
+        raise UsageError(
+            f"the corpus is too small: {n} tokens cannot be split into train and validation"
+        )
+    train, val = tokens[: n - n_val], tokens[n - n_val :]
+    val_bytes = len(tokenizer.decode_bytes(np.asarray(val).tolist()))
+    return TokenSplits(train=train, val=val, val_bytes=val_bytes)
+
+
+def _read_meta(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _build_cache(corpus, tokenizer, cache: Path, key: dict) -> dict:
+    """Stream-encode the corpus to tokens.bin (temp file + rename, so a crash leaves no half)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    tmp = cache / f"tokens.bin.tmp{os.getpid()}"
+    start = time.perf_counter()
+    n_tokens, n_chars = 0, 0
+    try:
+        with open(tmp, "wb") as f:
+            buffer: list[int] = []
+
+            def counted(pieces):
+                nonlocal n_chars
+                for piece in pieces:
+                    n_chars += len(piece)
+                    yield piece
+
+            # encode_iterable gives the ids of the whole text, wherever the pieces are cut.
+            for token in tokenizer.encode_iterable(counted(corpus.iter_texts())):
+                buffer.append(token)
+                if len(buffer) >= _WRITE_BATCH:
+                    np.asarray(buffer, dtype=dtype).tofile(f)
+                    n_tokens += len(buffer)
+                    buffer = []
+                    print(f"\rencode: {n_chars / 1e6:.1f}M characters", end="", file=sys.stderr)
+            np.asarray(buffer, dtype=dtype).tofile(f)
+            n_tokens += len(buffer)
+        if n_tokens == 0:
+            raise UsageError(f"the corpus {corpus.name} is empty: nothing to train on")
+        os.replace(tmp, cache / "tokens.bin")
+    finally:
+        tmp.unlink(missing_ok=True)
+    meta = {"key": key, "dtype": np.dtype(dtype).name, "n_tokens": n_tokens, "n_chars": n_chars}
+    tmp_meta = cache / "meta.json.tmp"
+    tmp_meta.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp_meta, cache / "meta.json")
+    seconds = time.perf_counter() - start
+    print(
+        f"\rencode: {n_chars:,} characters -> {n_tokens:,} tokens in {seconds:.1f} s "
+        f"(cached in {cache})",
+        file=sys.stderr,
+    )
+    return meta
+
+
+def sample_batch(
+    tokens: np.ndarray, batch_size: int, block_size: int, seed: int, step: int, stream: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random windows (x, y=x shifted by one), the same for the same (seed, step, stream).
+
+    `stream` keeps training (0) and validation (1) windows independent.
+
+    >>> x, y = sample_batch(np.arange(100, dtype=np.uint16), 2, 8, seed=0, step=3)
+    >>> x.shape, bool((y[:, :-1] == x[:, 1:]).all())
+    ((2, 8), True)
+    """
+    if len(tokens) <= block_size:
+        raise UsageError(
+            f"the {('training', 'validation')[stream]} split has {len(tokens)} tokens, "
+            f"fewer than the context ({block_size} + 1): use more text or a smaller block_size"
+        )
+    rng = np.random.default_rng([seed, stream, step])
+    offsets = rng.integers(0, len(tokens) - block_size, size=batch_size)
+    window = np.stack([tokens[o : o + block_size + 1] for o in offsets]).astype(np.int32)
+    return window[:, :-1], window[:, 1:]

@@ -1,0 +1,144 @@
+"""What training reports: metrics.jsonl, a progress line, the loss-curve PNG, MFU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+# Dense bf16 peak FLOP/s per chip, for model-FLOPs utilisation (vendor data sheets).
+PEAK_FLOPS = {
+    "h200": 989e12,
+    "h100": 989e12,
+    "a100": 312e12,
+    "l4": 121e12,
+    "a10": 125e12,
+    "v100": 125e12,
+    "tpu v4": 275e12,
+    "tpu v5 lite": 197e12,
+    "tpu v5e": 197e12,
+    "tpu v5p": 459e12,
+    "tpu v6": 918e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """The bf16 peak of a device kind (`jax.devices()[0].device_kind`), None when unknown."""
+    kind = device_kind.lower()
+    for name, flops in PEAK_FLOPS.items():
+        if name in kind:
+            return flops
+    return None
+
+
+def bits_per_byte(loss_nats: float, bytes_per_token: float) -> float:
+    """Tokenizer-independent loss: nats per token -> bits per byte of text.
+
+    >>> round(bits_per_byte(math.log(2), 1.0), 6)
+    1.0
+    """
+    return loss_nats / math.log(2) / bytes_per_token
+
+
+class MetricsLog:
+    """Appends one JSON object per event to metrics.jsonl (resumed runs drop later steps)."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None):
+        self.path = Path(run_dir) / METRICS_FILE
+        kept = []
+        if resume_step is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError):
+                    continue
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Progress:
+    """A one-line progress bar on a terminal; plain periodic lines otherwise (CI logs)."""
+
+    def __init__(self, total: int, start: int, every_plain: int):
+        self.total, self.start = total, start
+        self.tty = sys.stderr.isatty()
+        self.every_plain = max(every_plain, 1)
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, loss: float, tokens_per_sec: float, extra: str = "") -> None:
+        elapsed = time.perf_counter() - self.t0
+        done = (step - self.start) / max(self.total - self.start, 1)
+        eta = elapsed / done - elapsed if done > 0 else 0.0
+        width = 24
+        filled = int(width * step / max(self.total, 1))
+        bar = "#" * filled + "-" * (width - filled)
+        line = (
+            f"train [{bar}] {step}/{self.total} loss {loss:.4f} {tokens_per_sec:,.0f} tok/s "
+            f"{_clock(elapsed)} elapsed, ETA {_clock(eta)}{extra}"
+        )
+        if self.tty:
+            sys.stderr.write("\r" + line + "\033[K")
+            sys.stderr.flush()
+        elif step % self.every_plain == 0 or step == self.total:
+            sys.stderr.write(line + "\n")
+
+    def message(self, text: str) -> None:
+        sys.stderr.write(("\r\033[K" if self.tty else "") + text + "\n")
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def plot_losses(run_dir: Path) -> Path | None:
+    """loss.png from metrics.jsonl; skipped (None) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    records = read_metrics(run_dir)
+    train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train", alpha=0.7)
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"{Path(run_dir).name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = Path(run_dir) / PLOT_FILE
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

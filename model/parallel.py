@@ -1,0 +1,93 @@
+"""Devices and shardings: a 1-D `data` mesh over every visible device.
+
+Batches are sharded over `data`; parameters are replicated (data parallel) or, with
+`train.fsdp`, sharded over the same axis along their first evenly divisible dimension
+(ZeRO-3 style: XLA gathers them for each use). With several hosts, `jax.distributed` is
+initialised from the environment and each host feeds its own rows of the global batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tokenizer.errors import UsageError
+
+_DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "TINYLLM_DISTRIBUTED")
+
+
+def maybe_initialize_distributed() -> None:
+    """Multi-host: `jax.distributed.initialize()` when its environment is set (idempotent)."""
+    if any(os.environ.get(k) for k in _DISTRIBUTED_ENV) and not _initialized():
+        jax.distributed.initialize()
+
+
+def _initialized() -> bool:
+    try:
+        return jax.distributed.is_initialized()
+    except AttributeError:  # older jax
+        return False
+
+
+def data_mesh() -> Mesh:
+    # Mesh(...) keeps Auto axis types (jax.make_mesh now defaults to Explicit, which would
+    # need out_sharding annotations on every embedding lookup).
+    return Mesh(np.array(jax.devices()), ("data",))
+
+
+def check_batch_divisible(micro_batch: int, mesh: Mesh) -> None:
+    n = mesh.devices.size
+    if micro_batch % n:
+        raise UsageError(
+            f"the micro-batch (train.batch_size / train.grad_accum = {micro_batch}) must divide "
+            f"evenly over the {n} devices"
+        )
+
+
+def param_shardings(params, mesh: Mesh, fsdp: bool):
+    """Replicated, or (fsdp) split along the first dimension the device count divides."""
+    n = mesh.devices.size
+
+    def spec(x) -> NamedSharding:
+        if fsdp and x.ndim >= 2:
+            for axis, size in enumerate(x.shape):
+                if size % n == 0:
+                    return NamedSharding(mesh, P(*([None] * axis), "data"))
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map(spec, params)
+
+
+def place_on_mesh(tree, mesh: Mesh):
+    """Replicate leaves that are not yet on the mesh (e.g. optimizer step counters).
+
+    Otherwise the step's outputs, which are on the mesh, would not match its first inputs
+    and the step would compile a second time.
+    """
+    replicated = NamedSharding(mesh, P())
+
+    def place(x):
+        if isinstance(getattr(x, "sharding", None), NamedSharding):
+            return x
+        return jax.device_put(x, replicated)
+
+    return jax.tree_util.tree_map(place, tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches are [grad_accum, micro_batch, T]: split the micro-batch rows over `data`."""
+    return NamedSharding(mesh, P(None, "data"))
+
+
+def put_batch(x_AxBxT: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """Place a global batch; with several hosts each contributes only its own rows."""
+    if jax.process_count() == 1:
+        return jax.device_put(x_AxBxT, sharding)
+    rows = x_AxBxT.shape[1] // jax.process_count()
+    start = jax.process_index() * rows
+    local = x_AxBxT[:, start : start + rows]
+    return jax.make_array_from_process_local_data(sharding, local, x_AxBxT.shape)

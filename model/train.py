@@ -1,0 +1,358 @@
+"""The --train stage: token cache -> compiled train step -> checkpoints, metrics, loss curve.
+
+One jitted step (donated params and optimizer state, gradient accumulation as a scan over
+micro-batches) runs on a 1-D `data` mesh. The loop never waits on the device except when it
+logs (metrics fetched one step late), evaluates or checkpoints. Everything random is a
+function of (seed, step), so `--resume` replays the uninterrupted run's loss curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from configs.schema import Config, config_from_dict
+from model.checkpoint import Checkpoints, has_checkpoint
+from model.config import ModelConfig
+from model.data import TokenSplits, file_sha256, load_token_splits, sample_batch
+from model.gpt import GPT, count_params, flops_per_token
+from model.metrics import MetricsLog, Progress, bits_per_byte, peak_flops, plot_losses
+from model.optim import make_optimizer
+from model.parallel import (
+    batch_sharding,
+    check_batch_divisible,
+    data_mesh,
+    maybe_initialize_distributed,
+    param_shardings,
+    place_on_mesh,
+    put_batch,
+)
+from tokenizer import load_tokenizer
+from tokenizer.errors import TrainingDiverged, UsageError
+from tokenizer.stage import TOKENIZER_FILE, corpus_for
+
+CONFIG_FILE = "config.json"
+
+
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in nats (fp32 logits)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxTxV.astype(jnp.float32), targets_BxT
+    )
+    return losses.mean()
+
+
+def check_run_dir(run_dir: Path, tokenize: bool, train: bool, resume: bool) -> None:
+    """Refuse to overwrite a trained run: a new tokenizer or a fresh start would orphan it."""
+    if not has_checkpoint(run_dir):
+        return
+    if tokenize:
+        raise UsageError(
+            f"{run_dir} already holds a trained model; --tokenize would replace the tokenizer "
+            "it was trained with: pick another --out (or delete the directory to start over)"
+        )
+    if train and not resume:
+        raise UsageError(
+            f"{run_dir} already holds a trained model: add --resume to continue it, "
+            "or pick another --out (or delete the directory to start over)"
+        )
+
+
+def model_config_for(cfg: Config, vocab_size: int) -> ModelConfig:
+    return dataclasses.replace(cfg.model, vocab_size=vocab_size).validate()
+
+
+class Trainer:
+    """Model + optimizer state on the mesh, the compiled step, evaluation."""
+
+    def __init__(self, cfg: Config, model_cfg: ModelConfig):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        t = cfg.train
+        self.mesh = data_mesh()
+        self.micro_batch = t.batch_size // t.grad_accum
+        check_batch_divisible(self.micro_batch, self.mesh)
+        model = GPT(model_cfg, rngs=nnx.Rngs(params=t.seed))
+        self.n_params = count_params(model)
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        shardings = param_shardings(params, self.mesh, t.fsdp)
+        self.params = jax.device_put(params, shardings)
+        self.tx = make_optimizer(t)
+        self.opt_state = place_on_mesh(jax.jit(self.tx.init)(self.params), self.mesh)
+        self.batch_sharding = batch_sharding(self.mesh)
+        self.train_step = self._compile_step()
+        self.eval_step = jax.jit(self._eval_loss)
+
+    # -- the compiled functions ------------------------------------------------------------
+
+    def _loss(self, params, x_BxT, y_BxT, key):
+        model = nnx.merge(self.graphdef, params, self.rest)
+        dropout = self.model_cfg.dropout > 0
+        rngs = nnx.Rngs(dropout=key) if dropout else None
+        logits, aux = model.forward_with_aux(x_BxT, deterministic=not dropout, rngs=rngs)
+        ce = cross_entropy(logits, y_BxT)
+        # Auxiliary losses (MoE load balance, router z-loss) come already weighted.
+        total = ce + sum(aux.values(), jnp.float32(0))
+        return total, (ce, aux)
+
+    def _compile_step(self):
+        seed = self.cfg.train.seed
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def step(params, opt_state, x_AxBxT, y_AxBxT, step):
+            key = jax.random.fold_in(jax.random.key(seed), step)
+
+            def micro(grads_acc, inputs):
+                x, y, i = inputs
+                (_, (ce, aux)), grads = grad_fn(params, x, y, jax.random.fold_in(key, i))
+                grads_acc = jax.tree_util.tree_map(jnp.add, grads_acc, grads)
+                return grads_acc, (ce, aux)
+
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+            n_micro = x_AxBxT.shape[0]
+            grads, (ce, aux) = jax.lax.scan(
+                micro, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro))
+            )
+            grads = jax.tree_util.tree_map(lambda g: g / n_micro, grads)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            metrics = {"loss": ce.mean(), "grad_norm": optax.tree.norm(grads)}
+            metrics.update({k: v.mean() for k, v in aux.items()})
+            return params, opt_state, metrics
+
+        # Donation lets XLA update params and Adam moments in place.
+        return jax.jit(step, donate_argnums=(0, 1))
+
+    def _eval_loss(self, params, x_BxT, y_BxT):
+        model = nnx.merge(self.graphdef, params, self.rest)
+        logits, _ = model.forward_with_aux(x_BxT, deterministic=True)
+        return cross_entropy(logits, y_BxT)
+
+    # -- host side -------------------------------------------------------------------------
+
+    def batch(self, tokens: np.ndarray, step: int, stream: int = 0, rows: int | None = None):
+        t = self.cfg.train
+        rows = rows or t.batch_size
+        x, y = sample_batch(tokens, rows, self.model_cfg.block_size, t.seed, step, stream)
+        accum = t.grad_accum if rows == t.batch_size else 1
+        shape = (accum, rows // accum, x.shape[1])
+        return (
+            put_batch(x.reshape(shape), self.batch_sharding),
+            put_batch(y.reshape(shape), self.batch_sharding),
+        )
+
+    def evaluate(self, splits: TokenSplits) -> float:
+        """Mean validation loss over `eval_steps` fixed batches (the same at every eval)."""
+        total = jnp.float32(0)
+        for i in range(self.cfg.train.eval_steps):
+            x, y = self.batch(splits.val, i, stream=1, rows=self.micro_batch)
+            total = total + self.eval_step(self.params, x[0], y[0])
+        return float(total) / self.cfg.train.eval_steps
+
+
+def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
+    """Train the model of `cfg` on the run's tokenizer and corpus; returns the final metrics."""
+    run_dir = Path(run_dir)
+    tok_path = run_dir / TOKENIZER_FILE
+    if not tok_path.is_file():
+        raise UsageError(
+            f"no tokenizer in {run_dir}: run --tokenize first (python tinyllm.py --tokenize "
+            f"--train ...) or point --out at a run directory that has one"
+        )
+    if cfg.train.qat_bits:
+        raise UsageError("train.qat_bits is not available yet: set train.qat_bits=0")
+    check_run_dir(run_dir, tokenize=False, train=True, resume=resume)
+    maybe_initialize_distributed()
+    tokenizer = load_tokenizer(tok_path)
+    model_cfg = model_config_for(cfg, tokenizer.vocab_size)
+    checkpoints = Checkpoints(run_dir)
+    start_step = 0
+    if resume:
+        start_step = checkpoints.latest_step()
+        if start_step is None:
+            raise UsageError(f"--resume: no checkpoint in {run_dir}; train without --resume")
+        check_compatible(checkpoints.read_meta(start_step), model_cfg, file_sha256(tok_path))
+        if start_step >= cfg.train.max_steps:
+            raise UsageError(
+                f"--resume: the checkpoint is at step {start_step}, train.max_steps is "
+                f"{cfg.train.max_steps}; raise train.max_steps to train further"
+            )
+
+    splits = load_token_splits(corpus_for(cfg), tokenizer, tok_path, run_dir, cfg.data.val_fraction)
+    trainer = Trainer(cfg, model_cfg)
+    if resume:
+        trainer.params, trainer.opt_state, _ = checkpoints.restore(
+            start_step, trainer.params, trainer.opt_state
+        )
+    _write_json(run_dir / CONFIG_FILE, _resolved(cfg, model_cfg))
+    device = jax.devices()[0]
+    print(
+        f"train: {trainer.n_params / 1e6:.2f}M parameters, {len(splits.train):,} train / "
+        f"{len(splits.val):,} val tokens, {jax.device_count()} x {device.device_kind} "
+        f"({device.platform}), compute {model_cfg.dtype}",
+        file=sys.stderr,
+    )
+    try:
+        return _loop(trainer, splits, checkpoints, run_dir, start_step, tok_path)
+    finally:
+        checkpoints.close()
+
+
+def _loop(trainer, splits, checkpoints, run_dir, start_step, tok_path) -> dict:
+    cfg, t = trainer.cfg, trainer.cfg.train
+    tokens_per_step = t.batch_size * trainer.model_cfg.block_size
+    flops_per_step = flops_per_token(trainer.model_cfg) * tokens_per_step
+    peak = peak_flops(jax.devices()[0].device_kind)
+    ckpt_every = t.checkpoint_interval or t.eval_interval
+    log = MetricsLog(run_dir, start_step if start_step else None)
+    progress = Progress(t.max_steps, start_step, every_plain=t.log_interval * 10)
+    meta = {"config": _resolved(cfg, trainer.model_cfg), "tokenizer_sha256": file_sha256(tok_path)}
+
+    interrupted = []
+    previous_handler = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum, frame):
+        if interrupted:  # a second Ctrl-C: stop at once
+            signal.signal(signal.SIGINT, previous_handler)
+            raise KeyboardInterrupt
+        interrupted.append(True)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    t0 = time.perf_counter()
+    last = {"time": t0, "step": start_step}
+    pending = None  # (step, metrics on device): fetched one step late so dispatch never waits
+    record: dict = {}
+    step = start_step
+    def flush() -> None:
+        nonlocal pending, record
+        if pending is not None:
+            record = _log_train(pending, last, tokens_per_step, flops_per_step, peak, t0)
+            log.write(record)
+            progress.update(record["step"], record["train_loss"], record["tokens_per_sec"])
+            pending = None
+
+    try:
+        while step < t.max_steps and not interrupted:
+            x, y = trainer.batch(splits.train, step)
+            trainer.params, trainer.opt_state, metrics = trainer.train_step(
+                trainer.params, trainer.opt_state, x, y, step
+            )
+            step += 1
+            flush()  # the previous log step's metrics: ready by now, so this hardly waits
+            if step % t.log_interval == 0 or step == t.max_steps:
+                pending = (step, metrics)
+            is_eval = step % t.eval_interval == 0 or step == t.max_steps
+            if is_eval or step % ckpt_every == 0:
+                flush()  # NaN check before anything is saved
+                if is_eval:
+                    eval_record = _evaluate(trainer, splits, step, t0)
+                    log.write(eval_record)
+                    progress.message(
+                        f"step {step}: val loss {eval_record['val_loss']:.4f}, "
+                        f"val bpb {eval_record['val_bpb']:.4f}"
+                    )
+                    record.update(eval_record)
+                    last["time"] = time.perf_counter()  # eval time is not training throughput
+                checkpoints.save(step, trainer.params, trainer.opt_state, {**meta, "step": step})
+        if interrupted and step > start_step:
+            flush()
+            checkpoints.save(step, trainer.params, trainer.opt_state, {**meta, "step": step})
+            checkpoints.wait()
+            progress.message(f"interrupted: saved a checkpoint at step {step}; --resume continues")
+            raise KeyboardInterrupt
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        log.close()
+    checkpoints.wait()
+    plot = plot_losses(run_dir)
+    elapsed = time.perf_counter() - t0
+    progress.message(
+        f"train: done, {step} steps in {elapsed:.1f} s; final val loss "
+        f"{record.get('val_loss', float('nan')):.4f}, val bpb {record.get('val_bpb', float('nan')):.4f}"
+        + (f"; loss curve {plot}" if plot else "")
+    )
+    return record
+
+
+def _log_train(pending, last, tokens_per_step, flops_per_step, peak, t0) -> dict:
+    step, metrics = pending
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if not all(math.isfinite(v) for v in values.values()):
+        raise TrainingDiverged(
+            f"the loss became {values['loss']} at step {step}: training stopped; the last good "
+            "checkpoint is kept (lower train.learning_rate or raise train.warmup_steps)"
+        )
+    now = time.perf_counter()
+    steps = step - last["step"]
+    tok_s = steps * tokens_per_step / max(now - last["time"], 1e-9)
+    last.update(time=now, step=step)
+    record = {
+        "step": step,
+        "train_loss": values.pop("loss"),
+        "tokens_per_sec": round(tok_s, 1),
+        "elapsed_s": round(now - t0, 3),
+    }
+    record.update(values)
+    if peak:
+        record["mfu"] = round(tok_s / tokens_per_step * flops_per_step / peak / jax.device_count(), 4)
+    return record
+
+
+def _evaluate(trainer, splits, step, t0) -> dict:
+    val_loss = trainer.evaluate(splits)
+    if not math.isfinite(val_loss):
+        raise TrainingDiverged(
+            f"the validation loss became {val_loss} at step {step}: training stopped; the last "
+            "good checkpoint is kept"
+        )
+    return {
+        "step": step,
+        "val_loss": val_loss,
+        "val_bpb": bits_per_byte(val_loss, splits.val_bytes_per_token),
+        "elapsed_s": round(time.perf_counter() - t0, 3),
+    }
+
+
+def check_compatible(meta: dict, model_cfg: ModelConfig, tokenizer_sha: str) -> None:
+    """A resumed or sampled model must match the checkpoint's shape and tokenizer."""
+    saved = config_from_dict(meta["config"]).model
+    if meta.get("tokenizer_sha256") != tokenizer_sha:
+        raise UsageError(
+            "the run directory's tokenizer changed since this checkpoint was trained; "
+            "retrain (new --out) or restore the tokenizer"
+        )
+    if model_cfg.block_size > saved.block_size:
+        raise UsageError(
+            f"model.block_size {model_cfg.block_size} is above the trained model's "
+            f"{saved.block_size}"
+        )
+    for field in dataclasses.fields(ModelConfig):
+        ours, theirs = getattr(model_cfg, field.name), getattr(saved, field.name)
+        if ours != theirs and field.name not in ("dropout", "dtype"):
+            raise UsageError(
+                f"model.{field.name} is {theirs!r} in the checkpoint but {ours!r} now; "
+                "drop the override or train a new run"
+            )
+
+
+def _resolved(cfg: Config, model_cfg: ModelConfig) -> dict:
+    out = cfg.to_dict()
+    out["model"] = dataclasses.asdict(model_cfg)
+    return out
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
