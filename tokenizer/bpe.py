@@ -21,7 +21,7 @@ from tokenizer.gpt2_files import read_gpt2_files, read_tiktoken_file, write_gpt2
 from tokenizer.pretokenize import compile_pattern, compile_specials, count_chunks, split_specials
 
 _SINGLE_BYTES = [bytes([b]) for b in range(256)]
-_NO_RANK = float("inf")
+_NO_RANK = 1 << 62  # above every merge rank; an int compares faster than inf
 # The chunk cache is dropped when it grows past this many entries, so that encoding a stream
 # with ever new chunks (e.g. numbers) keeps bounded memory; real text repeats its chunks.
 CACHE_MAX_ENTRIES = 1 << 18
@@ -185,26 +185,30 @@ class BPETokenizer(Tokenizer):
         return list(chain.from_iterable(map(cache.__getitem__, chunks)))
 
     def _encode_chunk(self, chunk: str) -> tuple[int, ...]:
-        """BPE of one chunk: repeatedly merge the adjacent pair of lowest merge rank."""
+        """BPE of one chunk: repeatedly merge the leftmost adjacent pair of lowest merge rank.
+
+        Merging one occurrence at a time equals merging all occurrences of the best pair left
+        to right: a pair made by a merge always ranks after the merge that made it. The ranks
+        of adjacent pairs live in a list, so min() and index() run in C and a merge only
+        refreshes its two neighbours.
+        """
         parts = [_SINGLE_BYTES[b] for b in chunk.encode("utf-8")]
-        ranks = self._ranks
-        while len(parts) > 1:
-            pair = min(pairwise(parts), key=lambda p: ranks.get(p, _NO_RANK))
-            if pair not in ranks:
-                break
-            a, b = pair
-            merged = a + b
-            out: list[bytes] = []
-            i, n = 0, len(parts)
-            while i < n:
-                if i < n - 1 and parts[i] == a and parts[i + 1] == b:
-                    out.append(merged)
-                    i += 2
-                else:
-                    out.append(parts[i])
-                    i += 1
-            parts = out
         id_of = self._id_of
+        if len(parts) == 1:
+            return (id_of[parts[0]],)
+        get = self._ranks.get
+        ranks = [get(pair, _NO_RANK) for pair in pairwise(parts)]
+        while (best := min(ranks)) != _NO_RANK:
+            i = ranks.index(best)
+            parts[i] += parts[i + 1]
+            del parts[i + 1]
+            del ranks[i]
+            if i > 0:
+                ranks[i - 1] = get((parts[i - 1], parts[i]), _NO_RANK)
+            if i < len(ranks):
+                ranks[i] = get((parts[i], parts[i + 1]), _NO_RANK)
+            if not ranks:
+                break
         return tuple([id_of[p] for p in parts])
 
     # --- persistence ------------------------------------------------------------------------
