@@ -12,8 +12,8 @@ from itertools import islice, pairwise
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizer_helpers import EOT, data_file, gpt2_tokenizer
 
+from tests.tokenizer_helpers import EOT, data_file, gpt2_tokenizer
 from tokenizer import BPETokenizer, UsageError
 
 DOUBLE = EOT + EOT

@@ -9,8 +9,8 @@ from itertools import pairwise
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizer_helpers import CS336, EOT, data_file
 
+from tests.tokenizer_helpers import CS336, EOT, data_file
 from tokenizer import BPETokenizer, UsageError
 from tokenizer import pretokenize as pretok
 from tokenizer.bpe_train import train_merges

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizer_helpers import EOT
 
+from tests.tokenizer_helpers import EOT
 from tokenizer import CharTokenizer, UsageError
 
 CORPUS = "First Citizen:\nBefore we proceed any further, hear me speak.\nÉtienne: ça va? 🙂\n"

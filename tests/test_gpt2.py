@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizer_helpers import CS336, EOT, data_file, gpt2_paths, gpt2_tokenizer, tiktoken_gpt2
 
+from tests.tokenizer_helpers import CS336, EOT, data_file, gpt2_paths, gpt2_tokenizer, tiktoken_gpt2
 from tokenizer import BPETokenizer
 from tokenizer.gpt2_files import read_gpt2_files, write_tiktoken_file
 

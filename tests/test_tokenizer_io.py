@@ -6,8 +6,8 @@ import os
 import pickle
 
 import pytest
-from tokenizer_helpers import EOT, data_file, gpt2_tokenizer
 
+from tests.tokenizer_helpers import EOT, data_file, gpt2_tokenizer
 from tokenizer import BPETokenizer, CharTokenizer, UsageError, load_tokenizer
 
 

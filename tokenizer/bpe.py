@@ -10,7 +10,7 @@ True
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import chain, pairwise
 from typing import Any, Self
 
@@ -22,8 +22,6 @@ from tokenizer.pretokenize import compile_pattern, compile_specials, count_chunk
 
 _SINGLE_BYTES = [bytes([b]) for b in range(256)]
 _NO_RANK = 1 << 62  # above every merge rank; an int compares faster than inf
-# The chunk cache is dropped when it grows past this many entries, so that encoding a stream
-# with ever new chunks (e.g. numbers) keeps bounded memory; real text repeats its chunks.
 CACHE_MAX_ENTRIES = 1 << 18
 
 
@@ -68,7 +66,7 @@ class BPETokenizer(Tokenizer):
             raise UsageError(
                 f"inconsistent BPE tokenizer: tokens {missing[:3]} are not in the vocab"
             )
-        self._cache: dict[str, tuple[int, ...]] = {}
+        self._cache = _ChunkCache(self._encode_chunk)
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -172,17 +170,10 @@ class BPETokenizer(Tokenizer):
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of `text` with special tokens treated as plain text."""
+        # findall (one C call) beats finditer; the cache computes a missing chunk itself
+        # (__missing__), so the lookups and the flattening all run in C.
         chunks = self._split_re.findall(text)
-        cache = self._cache
-        new = set(chunks).difference(cache)
-        if new:
-            if len(cache) + len(new) > CACHE_MAX_ENTRIES:
-                cache.clear()
-            encode_chunk = self._encode_chunk
-            for chunk in new:
-                cache[chunk] = encode_chunk(chunk)
-        # Every chunk is cached now: the lookups and the flattening run in C.
-        return list(chain.from_iterable(map(cache.__getitem__, chunks)))
+        return list(chain.from_iterable(map(self._cache.__getitem__, chunks)))
 
     def _encode_chunk(self, chunk: str) -> tuple[int, ...]:
         """BPE of one chunk: repeatedly merge the leftmost adjacent pair of lowest merge rank.
@@ -223,6 +214,23 @@ class BPETokenizer(Tokenizer):
     @classmethod
     def _from_params(cls, params: dict[str, Any]) -> Self:
         return cls(params["vocab"], params["merges"], params["special_tokens"], params["pattern"])
+
+
+class _ChunkCache(dict[str, tuple[int, ...]]):
+    """chunk -> ids; a missing chunk is encoded on lookup. Cleared when it grows past
+    CACHE_MAX_ENTRIES, so that a stream of ever new chunks (e.g. numbers) keeps bounded memory;
+    real text repeats its chunks."""
+
+    def __init__(self, encode_chunk: Callable[[str], tuple[int, ...]]) -> None:
+        super().__init__()
+        self.encode_chunk = encode_chunk
+
+    def __missing__(self, chunk: str) -> tuple[int, ...]:
+        ids = self.encode_chunk(chunk)
+        if len(self) >= CACHE_MAX_ENTRIES:
+            self.clear()
+        self[chunk] = ids
+        return ids
 
 
 def _assign_specials(
