@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for item in args.overrides:
         if "=" not in item:
-            sys.stderr.write(f"tinyllm: error: unexpected argument {item!r}: overrides are "
-                             "key=value (see --help)\n")
+            sys.stderr.write(
+                f"tinyllm: error: unexpected argument {item!r}: overrides are "
+                "key=value (see --help)\n"
+            )
             return 2
     # Imported late so that --help and flag errors answer at once, without loading JAX.
     from tokenizer.errors import TrainingDiverged, UsageError
@@ -140,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
     from configs.schema import load_config
 
     # Flags win over the config file; explicit key=value pairs win over flags.
-    flags = [(key, getattr(args, f)) for f, key in SHORTHANDS.items() if getattr(args, f) is not None]
+    flags = [
+        (key, getattr(args, f)) for f, key in SHORTHANDS.items() if getattr(args, f) is not None
+    ]
     cfg = load_config(resolve_config_path(args.config), flags + list(args.overrides))
     if args.no_kv_cache:
         cfg.sample.kv_cache = False

@@ -93,9 +93,7 @@ class Config:
 SECTIONS = {f.name for f in dataclasses.fields(Config) if f.name != "name"}
 
 
-def load_config(
-    path: str | Path | None, overrides: Sequence[str | tuple[str, Any]] = ()
-) -> Config:
+def load_config(path: str | Path | None, overrides: Sequence[str | tuple[str, Any]] = ()) -> Config:
     """Read a TOML config (or the defaults when `path` is None), apply overrides, validate.
 
     An override is a `"key=value"` string or an already parsed `(key, value)` pair; later ones
@@ -256,7 +254,8 @@ def validate(cfg: Config) -> None:
     if tok.kind == "bpe" and tok.vocab_size < 256 + len(tok.special_tokens):
         raise UsageError(
             f"tokenizer.vocab_size {tok.vocab_size} is below 256 bytes + "
-            f"{len(tok.special_tokens)} special tokens; use at least {256 + len(tok.special_tokens)}"
+            f"{len(tok.special_tokens)} special tokens; "
+            f"use at least {256 + len(tok.special_tokens)}"
         )
     if not cfg.name or "/" in cfg.name:
         raise UsageError(f"config name {cfg.name!r} must be a plain, non-empty name")

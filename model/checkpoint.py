@@ -36,8 +36,7 @@ class Checkpoints:
         self.directory = (Path(run_dir) / CHECKPOINT_DIR).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
-            create=not read_only,
-            read_only=read_only,
+            create=not read_only,  # orbax's own read_only mode logs warnings on every open
             enable_async_checkpointing=True,
         )
         self._manager = ocp.CheckpointManager(

@@ -121,9 +121,7 @@ class Trainer:
 
             zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
             n_micro = x_AxBxT.shape[0]
-            grads, (ce, aux) = jax.lax.scan(
-                micro, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro))
-            )
+            grads, (ce, aux) = jax.lax.scan(micro, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro)))
             grads = jax.tree_util.tree_map(lambda g: g / n_micro, grads)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
@@ -234,6 +232,7 @@ def _loop(trainer, splits, checkpoints, run_dir, start_step, tok_path) -> dict:
     pending = None  # (step, metrics on device): fetched one step late so dispatch never waits
     record: dict = {}
     step = start_step
+
     def flush() -> None:
         nonlocal pending, record
         if pending is not None:
@@ -279,7 +278,7 @@ def _loop(trainer, splits, checkpoints, run_dir, start_step, tok_path) -> dict:
     elapsed = time.perf_counter() - t0
     progress.message(
         f"train: done, {step} steps in {elapsed:.1f} s; final val loss "
-        f"{record.get('val_loss', float('nan')):.4f}, val bpb {record.get('val_bpb', float('nan')):.4f}"
+        f"{record.get('val_loss', math.nan):.4f}, val bpb {record.get('val_bpb', math.nan):.4f}"
         + (f"; loss curve {plot}" if plot else "")
     )
     return record
@@ -305,7 +304,9 @@ def _log_train(pending, last, tokens_per_step, flops_per_step, peak, t0) -> dict
     }
     record.update(values)
     if peak:
-        record["mfu"] = round(tok_s / tokens_per_step * flops_per_step / peak / jax.device_count(), 4)
+        record["mfu"] = round(
+            tok_s / tokens_per_step * flops_per_step / peak / jax.device_count(), 4
+        )
     return record
 
 

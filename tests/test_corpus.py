@@ -79,7 +79,7 @@ def test_local_dataset_files_through_the_hf_loader(tmp_path, kind):
 def test_dataset_missing_field(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"story": "x"}) + "\n")
-    with pytest.raises(UsageError, match="no field 'text'.*story"):
+    with pytest.raises(UsageError, match=r"no field 'text'.*story"):
         dataset_corpus(str(path)).read_text()
 
 

@@ -89,8 +89,8 @@ def test_outputs_and_metrics_fields(tmp_path, corpus_file):
 
 def test_train_step_compiles_once(tmp_path, corpus_file):
     cfg, run_dir = tokenized_run(tmp_path, corpus_file, "train.grad_accum=2")
-    from tokenizer import load_tokenizer
     from model.data import load_token_splits
+    from tokenizer import load_tokenizer
     from tokenizer.stage import corpus_for
 
     tok = load_tokenizer(run_dir / "tokenizer.pkl")
@@ -108,9 +108,7 @@ def test_train_step_compiles_once(tmp_path, corpus_file):
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, corpus_file):
     cfg, run_dir = tokenized_run(tmp_path, corpus_file, "train.max_steps=4")
     run_train(cfg, run_dir)
-    wild = tiny_config(
-        corpus_file, "train.max_steps=8", "train.learning_rate=1e30"
-    )
+    wild = tiny_config(corpus_file, "train.max_steps=8", "train.learning_rate=1e30")
     with pytest.raises(TrainingDiverged, match="last good checkpoint is kept"):
         run_train(wild, run_dir, resume=True)
     assert Checkpoints(run_dir).latest_step() == 4
@@ -125,10 +123,12 @@ def test_train_without_tokenizer_is_a_usage_error(tmp_path, corpus_file):
 def test_resume_with_a_different_model_is_refused(tmp_path, corpus_file):
     cfg, run_dir = tokenized_run(tmp_path, corpus_file, "train.max_steps=2")
     run_train(cfg, run_dir)
-    with pytest.raises(UsageError, match="model.n_layer is 1 in the checkpoint but 2 now"):
+    with pytest.raises(UsageError, match=r"model\.n_layer is 1 in the checkpoint but 2 now"):
         run_train(tiny_config(corpus_file, "train.max_steps=4", "model.n_layer=2"), run_dir, True)
     with pytest.raises(UsageError, match="block_size 32 is above the trained model's 16"):
-        run_train(tiny_config(corpus_file, "train.max_steps=4", "model.block_size=32"), run_dir, True)
+        run_train(
+            tiny_config(corpus_file, "train.max_steps=4", "model.block_size=32"), run_dir, True
+        )
     with pytest.raises(UsageError, match="already holds a trained model"):
         run_train(cfg, run_dir)
 
@@ -138,7 +138,7 @@ def test_token_cache_is_rebuilt_when_the_corpus_changes(tmp_path, corpus_file):
     from tokenizer import load_tokenizer
     from tokenizer.corpus import file_corpus
 
-    cfg, run_dir = tokenized_run(tmp_path, corpus_file)
+    _, run_dir = tokenized_run(tmp_path, corpus_file)
     tok_path = run_dir / "tokenizer.pkl"
     tok = load_tokenizer(tok_path)
     text = tmp_path / "copy.txt"
@@ -152,51 +152,32 @@ def test_token_cache_is_rebuilt_when_the_corpus_changes(tmp_path, corpus_file):
     assert second.val_bytes == len(second.val)  # character tokens of ASCII text: 1 byte each
 
 
-MULTI_DEVICE_SCRIPT = r"""
-import json, sys
-sys.path.insert(0, {root!r})
-import jax
-from configs.schema import load_config
-from model.data import load_token_splits
-from model.train import Trainer, model_config_for
-from tokenizer import load_tokenizer
-from tokenizer.stage import corpus_for
+def test_four_simulated_devices_match_one(tmp_path, corpus_file):
+    """Same global batch on 1 and 4 devices (data parallel and FSDP): the same losses."""
+    from tests.multidevice_run import short_run
 
-cfg = load_config({config!r}, {overrides!r})
-run_dir = {run_dir!r}
-tok = load_tokenizer(run_dir + "/tokenizer.pkl")
-splits = load_token_splits(corpus_for(cfg), tok, __import__("pathlib").Path(run_dir) / "tokenizer.pkl",
-                           __import__("pathlib").Path(run_dir), 0.1)
-trainer = Trainer(cfg, model_config_for(cfg, tok.vocab_size))
-losses = []
-for step in range(6):
-    x, y = trainer.batch(splits.train, step)
-    trainer.params, trainer.opt_state, m = trainer.train_step(trainer.params, trainer.opt_state, x, y, step)
-    losses.append(float(m["loss"]))
-shards = sorted(str(s.index) for s in x.addressable_shards)
-print(json.dumps({{"devices": jax.device_count(), "losses": losses, "shards": shards,
-                  "shard_rows": [s.data.shape[1] for s in x.addressable_shards]}}))
-"""
-
-
-@pytest.mark.parametrize("fsdp", [False, True], ids=["data-parallel", "fsdp"])
-def test_four_simulated_devices_match_one(tmp_path, corpus_file, fsdp):
-    overrides = [f"data.input={json.dumps([str(corpus_file)])}", *TINY, f"train.fsdp={str(fsdp).lower()}"]
-    cfg, run_dir = tokenized_run(tmp_path, corpus_file)
-    results = {}
-    for n in (1, 4):
-        script = MULTI_DEVICE_SCRIPT.format(
-            root=str(ROOT),
-            config=str(ROOT / "configs" / "shakespeare_char.toml"),
-            overrides=overrides,
-            run_dir=str(run_dir),
-        )
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-        out = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
-        )
-        results[n] = json.loads(out.stdout.strip().splitlines()[-1])
-    assert results[1]["devices"] == 1 and results[4]["devices"] == 4
-    # The batch really is split: 4 distinct shards of 1 row each (batch 4).
-    assert len(set(results[4]["shards"])) == 4 and results[4]["shard_rows"] == [1, 1, 1, 1]
-    np.testing.assert_allclose(results[4]["losses"], results[1]["losses"], rtol=2e-5, atol=2e-5)
+    overrides = [f"data.input={json.dumps([str(corpus_file)])}", *TINY]
+    config = str(ROOT / "configs" / "shakespeare_char.toml")
+    _, run_dir = tokenized_run(tmp_path, corpus_file)
+    one = short_run(config, str(run_dir), overrides)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "multidevice_run.py"),
+            config,
+            str(run_dir),
+            json.dumps(overrides),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    four = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert one["devices"] == 1 and four["devices"] == 4
+    # The batch really is split: 4 distinct shards of 1 row each (global batch 4).
+    assert len(four["batch_shards"]) == 4 and four["batch_shard_rows"] == [1, 1, 1, 1]
+    assert four["dp_param_shards"] == 1 and four["fsdp_param_shards"] == 4
+    for mode in ("data_parallel", "fsdp"):
+        np.testing.assert_allclose(four[mode], one["data_parallel"], rtol=2e-5, atol=2e-5)

@@ -136,7 +136,9 @@ def _safe_cut(data: bytes) -> int:
 # --- Hugging Face datasets ---------------------------------------------------------------
 
 
-def dataset_corpus(name: str, config: str = "", split: str = "train", field: str = "text") -> Corpus:
+def dataset_corpus(
+    name: str, config: str = "", split: str = "train", field: str = "text"
+) -> Corpus:
     """Stream a Hugging Face dataset's `field` column; local files work through the same path.
 
     `name` is a hub id (downloaded and cached by `datasets`), a local dataset directory, or a

