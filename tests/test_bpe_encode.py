@@ -8,13 +8,14 @@ import os
 from array import array
 from functools import cache
 from itertools import islice, pairwise
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.tokenizer_helpers import EOT, data_file, gpt2_tokenizer
-from tokenizer import BPETokenizer, UsageError
+from tokenizer import BPETokenizer, UsageError, base
 
 DOUBLE = EOT + EOT
 SPECIALS = [EOT, DOUBLE, "<|pad|>"]
@@ -61,12 +62,18 @@ def test_specials_are_split_before_pretokenization():
 
 
 @settings(max_examples=100, deadline=None)
-@given(texts_with_specials, st.lists(st.integers(min_value=0, max_value=200), max_size=8))
-def test_encode_iterable_equals_encode_wherever_cut(text, cuts):
+@given(
+    texts_with_specials,
+    st.lists(st.integers(min_value=0, max_value=200), max_size=8),
+    st.integers(min_value=1, max_value=12),
+)
+def test_encode_iterable_equals_encode_wherever_cut(text, cuts, piece_chars):
     bounds = [0, *sorted(c % (len(text) + 1) for c in cuts), len(text)]
     pieces = [text[a:b] for a, b in pairwise(bounds)]
-    for tok in tokenizers():
-        assert list(tok.encode_iterable(pieces)) == tok.encode(text)
+    # Tiny stream pieces, so that the safe-cut logic runs on these short texts.
+    with mock.patch.object(base, "STREAM_PIECE_CHARS", piece_chars):
+        for tok in tokenizers():
+            assert list(tok.encode_iterable(pieces)) == tok.encode(text)
 
 
 def _rss_bytes() -> int:
@@ -109,7 +116,9 @@ def test_encode_iterable_streams_a_large_file_with_bounded_memory(tmp_path):
             digest.update(batch.tobytes())
             peak = max(peak, _rss_bytes())
     growth = peak - before
-    assert growth < size / 8, f"RSS grew {growth / 1e6:.1f} MB streaming a {size / 1e6:.0f} MB file"
+    assert growth < size / 20, (
+        f"RSS grew {growth / 1e6:.1f} MB streaming a {size / 1e6:.0f} MB file"
+    )
     assert count == len(once) * repeats and digest.hexdigest() == expected
 
 

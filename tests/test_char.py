@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.tokenizer_helpers import EOT
-from tokenizer import CharTokenizer, UsageError
+from tokenizer import CharTokenizer, UsageError, base
 
 CORPUS = "First Citizen:\nBefore we proceed any further, hear me speak.\nÉtienne: ça va? 🙂\n"
 
@@ -25,7 +27,8 @@ def test_vocab_is_the_sorted_set_of_characters():
 def test_round_trip_on_its_alphabet(text):
     tok = CharTokenizer.train(CORPUS)
     assert tok.decode(tok.encode(text)) == text
-    assert list(tok.encode_iterable([text[:3], text[3:]])) == tok.encode(text)
+    with mock.patch.object(base, "STREAM_PIECE_CHARS", 2):
+        assert list(tok.encode_iterable([text[:3], text[3:]])) == tok.encode(text)
 
 
 def test_unknown_characters_are_a_usage_error_naming_them():
