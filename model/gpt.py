@@ -93,15 +93,22 @@ class GPT(nnx.Module):
         Dropout is active only with deterministic=False, and then needs rngs with a "dropout"
         stream, e.g. `nnx.Rngs(dropout=jax.random.fold_in(key, step))` so resumed runs replay.
         """
-        t = tokens_BxT.shape[1]
-        if t > self.cfg.block_size:
-            raise UsageError(
-                f"sequence of {t} tokens is longer than the model's context "
-                f"(block_size={self.cfg.block_size})"
-            )
-        positions_T = jnp.arange(t, dtype=jnp.int32)
-        logits, _, aux = self._run(tokens_BxT, positions_T, None, deterministic, rngs)
-        return logits, aux
+        x_BxTxD, aux = self._hidden_with_aux(tokens_BxT, deterministic, rngs)
+        return self.unembed(x_BxTxD), aux
+
+    def hidden_states(self, tokens_BxT: jax.Array) -> jax.Array:
+        """Final-normed hidden states [B, T, D] (compute dtype), no dropout; `unembed` maps
+        them to logits. Lets a caller project only the positions it needs."""
+        return self._hidden_with_aux(tokens_BxT, True, None)[0]
+
+    def unembed(self, x_BxTxD: jax.Array) -> jax.Array:
+        """Tied output layer: logits [B, T, V] float32 from final hidden states.
+
+        Not `wte.attend`: that would promote both operands to one dtype, while we want
+        compute-dtype operands (bf16 matmul speed) with float32 accumulation and logits.
+        """
+        embedding_VxD = self.wte.embedding[...].astype(x_BxTxD.dtype)
+        return jnp.einsum("btd,vd->btv", x_BxTxD, embedding_VxD, preferred_element_type=jnp.float32)
 
     def init_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """Zeroed KV cache: per layer {"k", "v"} of shape [B, max_len, H, Dh], compute dtype.
@@ -122,21 +129,37 @@ class GPT(nnx.Module):
         ]
 
     def decode(
-        self, tokens_BxT: jax.Array, cache: KVCache, pos: jax.Array | int
+        self, tokens_BxT: jax.Array, cache: KVCache, pos: jax.Array | int, *, last_only=False
     ) -> tuple[jax.Array, KVCache]:
         """Run T new tokens at absolute positions pos..pos+T-1 against the cache.
 
-        Writes their k/v into the cache and returns (logits [B, T, V] float32, new cache).
+        Writes their k/v into the cache and returns (logits [B, T, V] float32, new cache);
+        with last_only, logits [B, 1, V] of the last token only (prefill skips the rest).
         Each query attends to cache slots <= its own position. The caller keeps
         pos + T <= cache length (dynamic_update_slice would clamp the write otherwise).
         Inference only: no dropout.
         """
         t = tokens_BxT.shape[1]
         positions_T = jnp.asarray(pos, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
-        logits, new_cache, _ = self._run(tokens_BxT, positions_T, cache, True, None)
-        return logits, new_cache
+        x_BxTxD, new_cache, _ = self._run(tokens_BxT, positions_T, cache, True, None)
+        if last_only:
+            x_BxTxD = x_BxTxD[:, -1:]
+        return self.unembed(x_BxTxD), new_cache
 
     # -- internals --------------------------------------------------------------------------
+
+    def _hidden_with_aux(
+        self, tokens_BxT: jax.Array, deterministic: bool, rngs: nnx.Rngs | None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        t = tokens_BxT.shape[1]
+        if t > self.cfg.block_size:
+            raise UsageError(
+                f"sequence of {t} tokens is longer than the model's context "
+                f"(block_size={self.cfg.block_size})"
+            )
+        positions_T = jnp.arange(t, dtype=jnp.int32)
+        x_BxTxD, _, aux = self._run(tokens_BxT, positions_T, None, deterministic, rngs)
+        return x_BxTxD, aux
 
     def _run(
         self,
@@ -146,6 +169,7 @@ class GPT(nnx.Module):
         deterministic: bool,
         rngs: nnx.Rngs | None,
     ) -> tuple[jax.Array, KVCache | None, dict[str, jax.Array]]:
+        """Hidden states after the final norm [B, T, D], the updated cache, aux losses."""
         x_BxTxD = self.wte(tokens_BxT)
         if self.wpe is not None:
             x_BxTxD = x_BxTxD + self.wpe(positions_T)[None]
@@ -164,14 +188,7 @@ class GPT(nnx.Module):
             for name, value in block_aux.items():
                 aux[name] = aux.get(name, 0.0) + value
 
-        x_BxTxD = self.ln_f(x_BxTxD)
-        # Tied output layer. Not `wte.attend`: that would promote to one dtype, while we want
-        # compute-dtype operands (bf16 matmul speed) with float32 accumulation and logits.
-        embedding_VxD = self.wte.embedding[...].astype(self.cfg.compute_dtype)
-        logits_BxTxV = jnp.einsum(
-            "btd,vd->btv", x_BxTxD, embedding_VxD, preferred_element_type=jnp.float32
-        )
-        return logits_BxTxV, new_cache, aux
+        return self.ln_f(x_BxTxD), new_cache, aux
 
 
 def count_params(model: nnx.Module) -> int:

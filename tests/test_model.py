@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,12 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.config import ModelConfig
+from model.attention import CausalSelfAttention
 from model.gpt import GPT, count_params, flops_per_token
-from model.layers import swiglu_hidden
+from model.layers import GeluMLP, swiglu_hidden
+from tests.tiny_models import TINY, forward, tiny_model
 from tokenizer.errors import UsageError
 
-TINY = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 VARIANTS = [
     dict(position="learned", norm="layernorm", mlp="gelu", bias=True),
     dict(position="rope", norm="rmsnorm", mlp="swiglu"),
@@ -23,7 +24,13 @@ VARIANTS = [
 
 
 def make(**overrides) -> GPT:
-    return GPT(dataclasses.replace(TINY, **overrides), rngs=nnx.Rngs(0))
+    """A tiny model with random weights (numpy-filled: no initialiser to compile)."""
+    return tiny_model(**overrides)
+
+
+def abstract(**overrides) -> GPT:
+    """Shapes only: enough to count parameters without computing anything."""
+    return nnx.eval_shape(lambda: GPT(dataclasses.replace(TINY, **overrides), rngs=nnx.Rngs(0)))
 
 
 def tokens(b: int = 2, t: int = 8, seed: int = 1) -> jax.Array:
@@ -32,8 +39,8 @@ def tokens(b: int = 2, t: int = 8, seed: int = 1) -> jax.Array:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_logits_shape_and_dtype(variant):
-    logits = make(**variant)(tokens(3, 7))
-    assert logits.shape == (3, 7, TINY.vocab_size)
+    logits = forward(make(**variant), tokens())
+    assert logits.shape == (2, 8, TINY.vocab_size)
     assert logits.dtype == jnp.float32
     assert bool(jnp.all(jnp.isfinite(logits)))
 
@@ -42,11 +49,11 @@ def test_param_count_matches_formula():
     d, v, t, l = TINY.n_embd, TINY.vocab_size, TINY.block_size, TINY.n_layer
     # no bias, LayerNorm has only a scale: wte + wpe + per block (2 norms, qkv, proj, mlp) + ln_f
     per_block = 2 * d + 3 * d * d + d * d + 2 * 4 * d * d
-    assert count_params(make()) == v * d + t * d + l * per_block + d
+    assert count_params(abstract()) == v * d + t * d + l * per_block + d
 
     hidden = swiglu_hidden(d)
     per_block = 2 * d + 4 * d * d + 3 * d * hidden
-    assert count_params(make(position="rope", mlp="swiglu")) == v * d + l * per_block + d
+    assert count_params(abstract(position="rope", mlp="swiglu")) == v * d + l * per_block + d
 
 
 def test_swiglu_hidden_width():
@@ -56,8 +63,7 @@ def test_swiglu_hidden_width():
 
 
 def test_flops_per_token_follows_nanogpt_formula():
-    model = make()
-    n = count_params(model) - TINY.block_size * TINY.n_embd  # position embedding excluded
+    n = count_params(abstract()) - TINY.block_size * TINY.n_embd  # position embedding excluded
     expected = 6 * n + 12 * TINY.n_layer * TINY.n_head * TINY.head_dim * TINY.block_size
     assert flops_per_token(TINY) == expected
 
@@ -80,7 +86,7 @@ def test_causality_by_gradients(variant):
         logits = m.ln_f(x) @ m.wte.embedding[...].T
         return jax.nn.logsumexp(logits[0, probe]) - logits[0, probe, 0]
 
-    grads = jax.grad(loss_at_probe)(model.wte(toks))
+    grads = jax.jit(jax.grad(loss_at_probe))(model.wte(toks))
     norms = np.asarray(jnp.abs(grads[0]).sum(-1))
     assert np.all(norms[: probe + 1] > 0)
     assert np.all(norms[probe + 1 :] == 0)
@@ -88,22 +94,30 @@ def test_causality_by_gradients(variant):
 
 def test_causality_of_logits():
     """Changing a later token never changes an earlier position's logits."""
-    model = make(position="rope")
-    a = tokens(1, 10)
+    model = make(**VARIANTS[1])
+    a = tokens()
     b = a.at[0, 6].set((a[0, 6] + 1) % TINY.vocab_size)
-    la, lb = model(a), model(b)
+    la, lb = forward(model, a), forward(model, b)
     np.testing.assert_array_equal(np.asarray(la[0, :6]), np.asarray(lb[0, :6]))
     assert not np.allclose(np.asarray(la[0, 6:]), np.asarray(lb[0, 6:]))
 
 
 def test_dropout_only_when_not_deterministic():
     model = make(dropout=0.5)
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def run(state, toks, key, deterministic):
+        rngs = nnx.Rngs(dropout=key)
+        return nnx.merge(graphdef, state)(toks, deterministic=deterministic, rngs=rngs)
+
     toks = tokens()
-    eval_a, eval_b = model(toks), model(toks, deterministic=True)
+    eval_a = run(state, toks, jax.random.key(1), True)
+    eval_b = run(state, toks, jax.random.key(2), True)
     np.testing.assert_array_equal(np.asarray(eval_a), np.asarray(eval_b))
-    train_a = model(toks, deterministic=False, rngs=nnx.Rngs(dropout=1))
-    train_b = model(toks, deterministic=False, rngs=nnx.Rngs(dropout=2))
-    train_a2 = model(toks, deterministic=False, rngs=nnx.Rngs(dropout=1))
+    train_a = run(state, toks, jax.random.key(1), False)
+    train_b = run(state, toks, jax.random.key(2), False)
+    train_a2 = run(state, toks, jax.random.key(1), False)
     assert not np.allclose(np.asarray(train_a), np.asarray(eval_a))
     assert not np.allclose(np.asarray(train_a), np.asarray(train_b))
     # randomness comes only from the rngs passed in: same key, same output (resumable)
@@ -113,10 +127,10 @@ def test_dropout_only_when_not_deterministic():
 def test_output_layer_is_tied_to_embedding():
     model = make()
     toks = tokens()
-    before = model(toks)
+    before = forward(model, toks)
     emb = model.wte.embedding
     emb[...] = emb[...].at[5].set(0.0)
-    after = model(toks)
+    after = forward(model, toks)
     # zeroing token 5's embedding row zeroes its output logit at every position (tied)
     assert bool(jnp.all(after[..., 5] == 0.0))
     assert not bool(jnp.all(before[..., 5] == 0.0))
@@ -124,32 +138,37 @@ def test_output_layer_is_tied_to_embedding():
 
 
 def test_gpt2_initialisation():
-    model = make(bias=True)
-    block = model.blocks[0]
-    std_fc = float(jnp.std(block.mlp.c_fc.kernel[...]))
-    std_proj = float(jnp.std(block.attn.c_proj.kernel[...]))
-    assert abs(std_fc - 0.02) < 0.004
-    assert abs(std_proj - 0.02 / np.sqrt(2 * TINY.n_layer)) < 0.003
-    assert bool(jnp.all(block.attn.c_attn.bias[...] == 0))
+    # the real initialisers (slow to compile op by op, so only the two layer kinds)
+    cfg = dataclasses.replace(TINY, bias=True, n_embd=64, n_layer=8)
+    attn = CausalSelfAttention(cfg, rngs=nnx.Rngs(0))
+    mlp = GeluMLP(cfg, rngs=nnx.Rngs(1))
+    assert abs(float(jnp.std(attn.c_attn.kernel[...])) - 0.02) < 0.002
+    assert abs(float(jnp.std(mlp.c_fc.kernel[...])) - 0.02) < 0.002
+    resid_std = 0.02 / np.sqrt(2 * cfg.n_layer)  # 0.005
+    assert abs(float(jnp.std(attn.c_proj.kernel[...])) - resid_std) < 0.0005
+    assert abs(float(jnp.std(mlp.c_proj.kernel[...])) - resid_std) < 0.0005
+    assert bool(jnp.all(attn.c_attn.bias[...] == 0)) and bool(jnp.all(mlp.c_fc.bias[...] == 0))
 
 
 def test_params_are_float32_and_bf16_compute_returns_float32_logits():
-    model = make(dtype="bfloat16", position="rope", mlp="swiglu")
+    model = make(dtype="bfloat16", **VARIANTS[1])
     dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
     assert dtypes == {jnp.dtype(jnp.float32)}
-    logits = model(tokens())
-    assert logits.dtype == jnp.float32
-    ref = make(position="rope", mlp="swiglu")(tokens())
-    assert not np.array_equal(np.asarray(logits), np.asarray(ref))  # really computed in bf16
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=0.05)
+    logits = np.asarray(forward(model, tokens()))
+    assert logits.dtype == np.float32
+    ref = np.asarray(forward(make(**VARIANTS[1]), tokens()))
+    assert not np.array_equal(logits, ref)  # really computed in bf16 ...
+    # ... to bf16 accuracy (~3% here: the test weights are large, so errors compound)
+    assert np.abs(logits - ref).mean() < 0.06 * np.abs(ref).mean()
     assert model.init_cache(1)[0]["k"].dtype == jnp.bfloat16
 
 
 def test_forward_with_aux_is_empty_for_dense_model():
     model = make()
-    logits, aux = model.forward_with_aux(tokens())
+    graphdef, state = nnx.split(model)
+    logits, aux = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward_with_aux(t))(state, tokens())
     assert aux == {}
-    np.testing.assert_array_equal(np.asarray(logits), np.asarray(model(tokens())))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(forward(model, tokens())), atol=1e-6)
 
 
 def test_sequence_longer_than_context_is_an_error():
