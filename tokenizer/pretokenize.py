@@ -186,7 +186,9 @@ def count_chunks(
     if isinstance(corpus, str) and len(corpus) < PARALLEL_MIN_CHARS:
         return count_chunks_in_text(corpus, source, specials_src)
 
-    pieces = iter_safe_pieces(_slices(parts), specials_re, max_special_len)
+    pieces = iter_safe_pieces(
+        _slices(parts, PIECE_CHARS), specials_re, max_special_len, PIECE_CHARS
+    )
     # Peek: a small iterable corpus is counted in-process too.
     head: list[str] = []
     head_chars = 0
@@ -203,7 +205,7 @@ def count_chunks(
     return _count_parallel(_chain(head, pieces), source, specials_src, workers)
 
 
-def _slices(parts: Iterable[str], size: int = PIECE_CHARS) -> Iterator[str]:
+def _slices(parts: Iterable[str], size: int) -> Iterator[str]:
     # A huge single string is sliced so that pieces, not the whole corpus, are copied around.
     for part in parts:
         for i in range(0, len(part), size):
