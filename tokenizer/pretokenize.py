@@ -38,8 +38,8 @@ _LAST_SAFE_CUT = regex.compile(r"[\p{L}\p{N}](?=\s)", regex.REVERSE)
 
 # Below this many characters a corpus is counted in-process: starting worker processes costs
 # more than it saves.
-PARALLEL_MIN_CHARS = 4 << 20
-PIECE_CHARS = 1 << 20
+PARALLEL_MIN_CHARS = 8 << 20
+PIECE_CHARS = 2 << 20
 
 
 def resolve_pattern(pattern: str) -> str:
