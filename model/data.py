@@ -106,7 +106,8 @@ def _build_cache(corpus, tokenizer, cache: Path, key: dict) -> dict:
                     np.asarray(buffer, dtype=dtype).tofile(f)
                     n_tokens += len(buffer)
                     buffer = []
-                    print(f"\rencode: {n_chars / 1e6:.1f}M characters", end="", file=sys.stderr)
+                    if sys.stderr.isatty():
+                        print(f"\rencode: {n_chars / 1e6:.1f}M characters", end="", file=sys.stderr)
             np.asarray(buffer, dtype=dtype).tofile(f)
             n_tokens += len(buffer)
         if n_tokens == 0:
@@ -120,7 +121,8 @@ def _build_cache(corpus, tokenizer, cache: Path, key: dict) -> dict:
     os.replace(tmp_meta, cache / "meta.json")
     seconds = time.perf_counter() - start
     print(
-        f"\rencode: {n_chars:,} characters -> {n_tokens:,} tokens in {seconds:.1f} s "
+        ("\r" if sys.stderr.isatty() else "")
+        + f"encode: {n_chars:,} characters -> {n_tokens:,} tokens in {seconds:.1f} s "
         f"(cached in {cache})",
         file=sys.stderr,
     )
