@@ -102,8 +102,9 @@ class Trainer:
         rngs = nnx.Rngs(dropout=key) if dropout else None
         logits, aux = model.forward_with_aux(x_BxT, deterministic=not dropout, rngs=rngs)
         ce = cross_entropy(logits, y_BxT)
-        # Auxiliary losses (MoE load balance, router z-loss) come already weighted.
-        total = ce + sum(aux.values(), jnp.float32(0))
+        # Auxiliary entries named *_loss (MoE load balance, router z-loss) come already
+        # weighted and join the objective; others (e.g. dropped-token counts) are only logged.
+        total = ce + sum((v for k, v in aux.items() if k.endswith("_loss")), jnp.float32(0))
         return total, (ce, aux)
 
     def _compile_step(self):
