@@ -7,7 +7,8 @@ How it runs (use_cache=True):
   2. chunks: one jitted call runs `chunk_size` decode steps in a `lax.fori_loop` (feed the
      pending token at `pos`, sample the next) and returns them; the generator yields them while
      nothing else is compiled: every shape is fixed, the position and the sampling settings
-     are traced arrays, so the whole generation compiles twice (prefill + chunk) per bucket.
+     are traced arrays: one prefill program per bucket, one chunk program (two once a run
+     outgrows the context, see 3.).
   3. sliding window: the cache holds block_size positions. When it is full, the step
      re-prefills the last block_size // 2 tokens at positions 0.. (one T = block_size // 2
      call inside the same compiled loop, under `lax.cond`; only chunks in which the host
