@@ -4,7 +4,7 @@ How it runs (use_cache=True):
   1. prefill: one call writes the prompt (all but its last token) into a fresh KV cache. The
      prompt is padded to a bucket length (powers of two, at most block_size) so a new prompt
      length recompiles only when it crosses a bucket; its true length is a traced value.
-  2. chunks: one jitted call runs `chunk_size` decode steps in a `lax.fori_loop` (feed the
+  2. chunks: one jitted call runs `chunk_size` decode steps in a `lax.scan` (feed the
      pending token at `pos`, sample the next) and returns them; the generator yields them while
      nothing else is compiled: every shape is fixed, the position and the sampling settings
      are traced arrays: one prefill program per bucket, one chunk program (two once a run
