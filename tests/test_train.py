@@ -181,3 +181,19 @@ def test_four_simulated_devices_match_one(tmp_path, corpus_file):
     assert four["dp_param_shards"] == 1 and four["fsdp_param_shards"] == 4
     for mode in ("data_parallel", "fsdp"):
         np.testing.assert_allclose(four[mode], one["data_parallel"], rtol=2e-5, atol=2e-5)
+
+
+def test_trains_from_a_local_dataset_through_the_hf_loader(tmp_path, corpus_file):
+    """--dataset goes through `datasets` (streaming); a local JSON-lines file stands in."""
+    data = tmp_path / "stories.jsonl"
+    lines = corpus_file.read_text().splitlines()
+    data.write_text("".join(json.dumps({"story": line}) + "\n" for line in lines))
+    cfg = tiny_config(corpus_file, "train.max_steps=2", "data.input=[]")
+    cfg.data.dataset, cfg.data.text_field = str(data), "story"
+    run_dir = tmp_path / "run"
+    run_tokenize(cfg, run_dir)
+    record = run_train(cfg, run_dir)
+    assert np.isfinite(record["val_loss"])
+    meta = json.loads((run_dir / "tokens" / "meta.json").read_text())
+    assert meta["key"]["corpus"].startswith("dataset:")
+    assert meta["n_chars"] == len("\n\n".join(lines))
