@@ -33,7 +33,7 @@ class ModelConfig:
     dropout: float = 0.0  # dropout rate on embeddings, attention weights and residual branches
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 had them)
     norm: str = "layernorm"  # "layernorm" | "rmsnorm" (pre-norm, before each sub-block)
-    mlp: str = "gelu"  # "gelu" (4x hidden, GPT-2) | "swiglu" (gated, ~8/3x hidden, Llama)
+    mlp: str = "gelu"  # "gelu" (4x hidden, exact erf GELU as nanoGPT) | "swiglu" (Llama)
     position: str = "learned"  # "learned" absolute embeddings | "rope" rotary on q and k
     rope_theta: float = 10000.0  # RoPE base: wavelengths grow geometrically up to 2*pi*theta
     moe_experts: int = 0  # experts per MoE layer; 0 = dense MLP everywhere

@@ -66,7 +66,7 @@ def _resid_std(cfg: ModelConfig) -> float:
 
 
 class GeluMLP(nnx.Module):
-    """GPT-2 MLP: Linear(D, 4D) -> GELU (tanh approximation, as GPT-2) -> Linear(4D, D)."""
+    """GPT-2 MLP: Linear(D, 4D) -> GELU -> Linear(4D, D); exact (erf) GELU as nanoGPT (nn.GELU)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.c_fc = _linear(cfg, cfg.n_embd, 4 * cfg.n_embd, 0.02, rngs)
@@ -76,7 +76,7 @@ class GeluMLP(nnx.Module):
     def __call__(
         self, x_BxTxD: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        h_BxTxF = jax.nn.gelu(self.c_fc(x_BxTxD), approximate=True)
+        h_BxTxF = jax.nn.gelu(self.c_fc(x_BxTxD), approximate=False)
         y_BxTxD = self.dropout(self.c_proj(h_BxTxF), deterministic=deterministic, rngs=rngs)
         return y_BxTxD, {}
 
