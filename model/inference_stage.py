@@ -110,7 +110,7 @@ def run_inference(cfg: Config, run_dir: Path, out=None) -> dict:
         if first_chunk_at is None:
             first_chunk_at, first_chunk_tokens = time.perf_counter(), chunk.shape[1]
         for row, ids in zip(samples, chunk.tolist(), strict=True):
-            row.extend(ids)
+            row.extend(i for i in ids if i >= 0)  # a stopped sample pads with PAD_ID (-1)
         if s.num_samples == 1:
             out.write(decoder.decode(tokenizer.decode_bytes(chunk[0].tolist())))
             out.flush()
