@@ -8,8 +8,9 @@
     (1, 4)
 """
 
+# `generate` (the function) stays in model.generate: exporting it would shadow the module.
 from model.config import ModelConfig
-from model.generate import PAD_ID, generate, generate_all
+from model.generate import PAD_ID, generate_all
 from model.gpt import GPT, KVCache, count_params, flops_per_token
 from model.sampling import sample_logits
 
@@ -20,7 +21,6 @@ __all__ = [
     "ModelConfig",
     "count_params",
     "flops_per_token",
-    "generate",
     "generate_all",
     "sample_logits",
 ]
