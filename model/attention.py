@@ -120,8 +120,10 @@ class CausalSelfAttention(nnx.Module):
 
         positions_T are the absolute positions of the T tokens (consecutive).
         """
-        b, t, _ = x_BxTxD.shape
-        qkv_BxTx3D = self.c_attn(x_BxTxD)
+        b, t, d = x_BxTxD.shape
+        # Projections on [B*T, D]: XLA:CPU runs the backward of 2-D matmuls ~2.5x faster than
+        # of the same matmuls with two batch dimensions.
+        qkv_BxTx3D = self.c_attn(x_BxTxD.reshape(b * t, d)).reshape(b, t, 3 * d)
         q, k, v = jnp.split(qkv_BxTx3D, 3, axis=-1)
         q_BxTxHxD = q.reshape(b, t, self.n_head, self.head_dim)
         k_BxTxHxD = k.reshape(b, t, self.n_head, self.head_dim)
@@ -153,6 +155,6 @@ class CausalSelfAttention(nnx.Module):
             deterministic=deterministic,
             rngs=rngs,
         )
-        y_BxTxD = self.c_proj(y_BxTxHxD.reshape(b, t, self.n_head * self.head_dim))
+        y_BxTxD = self.c_proj(y_BxTxHxD.reshape(b * t, d)).reshape(b, t, d)
         y_BxTxD = self.resid_dropout(y_BxTxD, deterministic=deterministic, rngs=rngs)
         return y_BxTxD, new_cache

@@ -54,8 +54,13 @@ class Block(nnx.Module):
             self.ln_1(x_BxTxD), positions_T, cache=cache, deterministic=deterministic, rngs=rngs
         )
         x_BxTxD = x_BxTxD + y
-        y, aux = self.mlp(self.ln_2(x_BxTxD), deterministic=deterministic, rngs=rngs)
-        return x_BxTxD + y, cache, aux
+        # The MLP is position-wise: run it on [B*T, D] (2-D matmuls; XLA:CPU runs their
+        # backward ~2.5x faster than with batch dimensions, and MoE routes flat tokens).
+        b, t, d = x_BxTxD.shape
+        y_NxD, aux = self.mlp(
+            self.ln_2(x_BxTxD).reshape(b * t, d), deterministic=deterministic, rngs=rngs
+        )
+        return x_BxTxD + y_NxD.reshape(b, t, d), cache, aux
 
 
 class GPT(nnx.Module):
