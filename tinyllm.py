@@ -138,6 +138,24 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def enable_compilation_cache() -> None:
+    """Keep XLA's compiled programs on disk, so a second run starts sampling at once.
+
+    TINYLLM_XLA_CACHE picks the folder (empty string: off); default ~/.cache/tinyllm/xla.
+    """
+    folder = os.environ.get("TINYLLM_XLA_CACHE", str(Path.home() / ".cache" / "tinyllm" / "xla"))
+    if not folder:
+        return
+    import jax
+
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # a read-only home: run without the cache
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
 def run(args: argparse.Namespace) -> int:
     from configs.schema import load_config
 
@@ -149,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     if args.no_kv_cache:
         cfg.sample.kv_cache = False
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
+    if args.train or args.inference:
+        enable_compilation_cache()
 
     if args.tokenize or args.train:
         from model.train import check_run_dir
