@@ -70,20 +70,14 @@ def train_model(kind: str, input_file: Path, steps: int, context: int, out: Path
     from model.train import run_train
     from tokenizer.stage import run_tokenize
 
-    tokenizer = (
-        ["tokenizer.kind=char"]
-        if kind == "char"
-        else [
-            "tokenizer.kind=bpe",
-            f"tokenizer.vocab_size={256 if kind == 'bytes' else int(kind)}",
-            "tokenizer.special_tokens=[]",
-        ]
-    )
+    vocab = [] if kind == "char" else [f"tokenizer.vocab_size={256 if kind == 'bytes' else kind}"]
+    tokenizer = [f"tokenizer.kind={'char' if kind == 'char' else 'bpe'}", *vocab]
     cfg = load_config(
         ROOT / "configs" / "shakespeare.toml",
         [
             f"data.input={json.dumps([str(input_file)])}",
             *tokenizer,
+            "tokenizer.special_tokens=[]",
             *MODEL,
             f"model.block_size={context}",
             f"train.max_steps={steps}",
