@@ -120,10 +120,18 @@ class Trainer:
                 grads_acc = jax.tree_util.tree_map(jnp.add, grads_acc, grads)
                 return grads_acc, (ce, aux)
 
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
             n_micro = x_AxBxT.shape[0]
-            grads, (ce, aux) = jax.lax.scan(micro, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro)))
-            grads = jax.tree_util.tree_map(lambda g: g / n_micro, grads)
+            if n_micro == 1:  # no accumulation: a scan of one would only cost XLA fusions
+                (_, (ce, aux)), grads = grad_fn(
+                    params, x_AxBxT[0], y_AxBxT[0], jax.random.fold_in(key, 0)
+                )
+                ce, aux = ce[None], {k: v[None] for k, v in aux.items()}
+            else:
+                zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+                grads, (ce, aux) = jax.lax.scan(
+                    micro, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro))
+                )
+                grads = jax.tree_util.tree_map(lambda g: g / n_micro, grads)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             metrics = {"loss": ce.mean(), "grad_norm": optax.tree.norm(grads)}
