@@ -62,6 +62,7 @@ class TrainConfig:
     checkpoint_interval: int = 0  # 0 = at every eval
     seed: int = 1337
     qat_bits: int = 0  # quantization-aware training: 0 = off, 8 or 4
+    quant_group_size: int = 64  # int4: input rows per scale (QAT, export); last group may be short
     fsdp: bool = False  # shard parameters over the data axis too (ZeRO-3 style)
 
 
@@ -215,6 +216,7 @@ def validate(cfg: Config) -> None:
         "train.eval_interval": t.eval_interval,
         "train.eval_steps": t.eval_steps,
         "train.log_interval": t.log_interval,
+        "train.quant_group_size": t.quant_group_size,
         "sample.max_new_tokens": cfg.sample.max_new_tokens,
         "sample.num_samples": cfg.sample.num_samples,
     }

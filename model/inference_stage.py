@@ -21,16 +21,19 @@ from model.checkpoint import Checkpoints, has_checkpoint
 from model.data import file_sha256
 from model.generate import generate
 from model.gpt import GPT
+from model.quant_checkpoint import QUANT_FILE, has_quantized_checkpoint, load_quantized_model
 from tokenizer import load_tokenizer
 from tokenizer.errors import UsageError
 from tokenizer.stage import TOKENIZER_FILE
 
 
 def load_trained(run_dir: Path):
-    """(tokenizer, model, saved config) of a run directory's latest checkpoint."""
+    """(tokenizer, model, saved config) of a run directory's latest checkpoint, or of its
+    quantized checkpoint (dequantized to float32) when it holds one."""
     run_dir = Path(run_dir)
     tok_path = run_dir / TOKENIZER_FILE
-    if not has_checkpoint(run_dir):
+    quantized = has_quantized_checkpoint(run_dir)
+    if not (quantized or has_checkpoint(run_dir)):
         raise UsageError(
             f"no checkpoint in {run_dir}: train first (python tinyllm.py --train ...) or point "
             "--out at a trained run directory"
@@ -38,6 +41,14 @@ def load_trained(run_dir: Path):
     if not tok_path.is_file():
         raise UsageError(f"no tokenizer in {run_dir}: the run directory is incomplete")
     tokenizer = load_tokenizer(tok_path)
+    if quantized:
+        model, meta = load_quantized_model(run_dir)
+        if meta.get("tokenizer_sha256") != file_sha256(tok_path):
+            raise UsageError(
+                f"the tokenizer in {run_dir} is not the one {QUANT_FILE} was made with: "
+                "quantize the trained run again"
+            )
+        return tokenizer, model, config_from_dict(meta["config"])
     checkpoints = Checkpoints(run_dir, read_only=True)
     try:
         step = checkpoints.latest_step()

@@ -39,6 +39,8 @@ from model.parallel import (
     place_on_mesh,
     put_batch,
 )
+from model.quant import fake_quant_tree
+from model.quant_checkpoint import has_quantized_checkpoint
 from tokenizer import load_tokenizer
 from tokenizer.errors import TrainingDiverged, UsageError
 from tokenizer.stage import TOKENIZER_FILE, corpus_for
@@ -56,6 +58,11 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
 
 def check_run_dir(run_dir: Path, tokenize: bool, train: bool, resume: bool) -> None:
     """Refuse to overwrite a trained run: a new tokenizer or a fresh start would orphan it."""
+    if (tokenize or train) and has_quantized_checkpoint(run_dir):
+        raise UsageError(
+            f"{run_dir} holds a quantized checkpoint, which is for --inference only: train in "
+            "the float32 run it came from, or pick another --out"
+        )
     if not has_checkpoint(run_dir):
         return
     if tokenize:
@@ -96,8 +103,14 @@ class Trainer:
 
     # -- the compiled functions ------------------------------------------------------------
 
+    def _weights(self, params):
+        """The weights the forward pass uses: under QAT, linear kernels fake-quantized with a
+        straight-through estimator (gradients reach the float params unchanged)."""
+        t = self.cfg.train
+        return fake_quant_tree(params, t.qat_bits, t.quant_group_size) if t.qat_bits else params
+
     def _loss(self, params, x_BxT, y_BxT, key):
-        model = nnx.merge(self.graphdef, params, self.rest)
+        model = nnx.merge(self.graphdef, self._weights(params), self.rest)
         dropout = self.model_cfg.dropout > 0
         rngs = nnx.Rngs(dropout=key) if dropout else None
         logits, aux = model.forward_with_aux(x_BxT, deterministic=not dropout, rngs=rngs)
@@ -142,7 +155,7 @@ class Trainer:
         return jax.jit(step, donate_argnums=(0, 1))
 
     def _eval_loss(self, params, x_BxT, y_BxT):
-        model = nnx.merge(self.graphdef, params, self.rest)
+        model = nnx.merge(self.graphdef, self._weights(params), self.rest)
         logits, _ = model.forward_with_aux(x_BxT, deterministic=True)
         return cross_entropy(logits, y_BxT)
 
@@ -177,8 +190,6 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
             f"no tokenizer in {run_dir}: run --tokenize first (python tinyllm.py --tokenize "
             f"--train ...) or point --out at a run directory that has one"
         )
-    if cfg.train.qat_bits:
-        raise UsageError("train.qat_bits is not available yet: set train.qat_bits=0")
     check_run_dir(run_dir, tokenize=False, train=True, resume=resume)
     maybe_initialize_distributed()
     tokenizer = load_tokenizer(tok_path)
@@ -207,7 +218,8 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     print(
         f"train: {trainer.n_params / 1e6:.2f}M parameters, {len(splits.train):,} train / "
         f"{len(splits.val):,} val tokens, {jax.device_count()} x {device.device_kind} "
-        f"({device.platform}), compute {model_cfg.dtype}",
+        f"({device.platform}), compute {model_cfg.dtype}"
+        + (f", QAT int{cfg.train.qat_bits}" if cfg.train.qat_bits else ""),
         file=sys.stderr,
     )
     try:

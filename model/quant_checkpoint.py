@@ -1,0 +1,289 @@
+"""Quantized checkpoints: one `.npz` per run directory, and the export from a trained run.
+
+`RUN_DIR/quantized.npz` holds, keyed by parameter path ('blocks/0/attn/c_attn/kernel'):
+  - `int8/<path>`: int8 kernels [in, out] (bits=8), or `int4/<path>`: uint8, two values per
+    byte (bits=4; shapes in the metadata);
+  - `scale/<path>`: float32 scales [groups, out] (one group for int8 per channel);
+  - `float/<path>`: every other parameter (embeddings, norms, biases) in float32;
+  - `meta.json`: UTF-8 JSON bytes: format, bits, group size, int4 shapes, the resolved config,
+    the tokenizer's sha256, the source run and step.
+It is written to a temporary file and renamed, and numpy reads it without pickle. Loading
+dequantizes to float32 parameters (weight-only quantization: the int values save disk, not
+compute).
+
+    >>> out = quantize_run("runs/shakespeare", bits=4)      # doctest: +SKIP
+    >>> out                                                  # tokenizer, config, quantized.npz
+    PosixPath('runs/shakespeare-int4')
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from configs.schema import config_from_dict
+from model.checkpoint import Checkpoints, has_checkpoint
+from model.data import file_sha256
+from model.gpt import GPT
+from model.quant import (
+    SUPPORTED_BITS,
+    QuantizedKernel,
+    dequantize,
+    is_linear_kernel,
+    pack_int4,
+    path_names,
+    quantize,
+    unpack_int4,
+)
+from tokenizer.errors import UsageError
+from tokenizer.stage import TOKENIZER_FILE
+
+QUANT_FILE = "quantized.npz"
+FORMAT = "tinyllm-quantized-v1"
+CONFIG_FILE = "config.json"
+
+
+def has_quantized_checkpoint(run_dir: Path) -> bool:
+    return (Path(run_dir) / QUANT_FILE).is_file()
+
+
+# -- the file ------------------------------------------------------------------------------
+
+
+def write_quantized(path: Path, params: Any, bits: int, group_size: int, meta: dict) -> None:
+    """Quantize the linear kernels of `params` (nnx.State or pure dict) and write `path`."""
+    if bits not in SUPPORTED_BITS:
+        raise UsageError(f"unsupported bit width {bits}: use 8 or 4")
+    arrays: dict[str, np.ndarray] = {}
+    shapes: dict[str, list[int]] = {}
+    for path_key, leaf in jax.tree_util.tree_leaves_with_path(params):
+        names = path_names(path_key)
+        key = "/".join(names)
+        value = np.asarray(jax.device_get(leaf), np.float32)
+        if not is_linear_kernel(names, value):
+            arrays[f"float/{key}"] = value
+            continue
+        q = quantize(value, bits, group_size)
+        values = np.asarray(q.values)
+        if bits == 4:
+            arrays[f"int4/{key}"] = pack_int4(values)
+            shapes[key] = list(values.shape)
+        else:
+            arrays[f"int8/{key}"] = values
+        arrays[f"scale/{key}"] = np.asarray(q.scales, np.float32)
+    meta = {
+        **meta,
+        "format": FORMAT,
+        "bits": bits,
+        "group_size": group_size if bits == 4 else None,
+        "int4_shapes": shapes,
+    }
+    arrays["meta.json"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    _atomic_write(Path(path), buffer.getvalue())
+
+
+def read_quantized_meta(path: Path) -> dict:
+    """The metadata of a quantized checkpoint; a UsageError if it is not one."""
+    with _open_npz(path) as npz:
+        return _meta_of(npz, path)
+
+
+def read_quantized(path: Path, params_like: Any) -> tuple[Any, dict]:
+    """(params shaped like `params_like`, dequantized to float32; metadata)."""
+    with _open_npz(path) as npz:
+        meta = _meta_of(npz, path)
+
+        def fill(path_key, like):
+            key = "/".join(path_names(path_key))
+            if f"float/{key}" in npz:
+                value = npz[f"float/{key}"]
+            elif f"int8/{key}" in npz or f"int4/{key}" in npz:
+                value = _dequantized(npz, key, meta)
+            else:
+                raise UsageError(f"{path} has no parameter {key}: it belongs to another model")
+            if value.shape != tuple(like.shape):
+                raise UsageError(
+                    f"{path}: parameter {key} is {value.shape}, the model wants {like.shape}"
+                )
+            return jnp.asarray(value, like.dtype)
+
+        params = jax.tree_util.tree_map_with_path(fill, params_like)
+    return params, meta
+
+
+def linear_weight_bytes(path: Path) -> dict[str, int]:
+    """Sizes in bytes: the quantized linear kernels with their scales, the same kernels in
+    float32, and the whole file."""
+    with _open_npz(path) as npz:
+        meta = _meta_of(npz, path)
+        stored = sum(
+            npz[k].nbytes for k in npz.files if k.split("/")[0] in ("int8", "int4", "scale")
+        )
+        fp32 = 0
+        for k in npz.files:
+            kind, _, key = k.partition("/")
+            if kind == "int8":
+                fp32 += 4 * npz[k].size
+            elif kind == "int4":
+                fp32 += 4 * int(np.prod(meta["int4_shapes"][key]))
+    return {"linear": stored, "linear_fp32": fp32, "file": Path(path).stat().st_size}
+
+
+# -- a run directory -----------------------------------------------------------------------
+
+
+def quantize_run(
+    run_dir: Path, bits: int, group_size: int | None = None, out_dir: Path | None = None
+) -> Path:
+    """Quantize a trained run's latest checkpoint into a new run directory (default
+    RUN_DIR-int8 / RUN_DIR-int4) holding the tokenizer, config.json and quantized.npz, which
+    `--inference --out` loads. group_size defaults to the run's train.quant_group_size, so a
+    QAT run exports exactly the weights its forward pass saw."""
+    run_dir = Path(run_dir)
+    if bits not in SUPPORTED_BITS:
+        raise UsageError(f"unsupported bit width {bits}: use --bits 8 or 4")
+    if not run_dir.is_dir():
+        raise UsageError(f"run directory {run_dir} not found: point --run at a trained run")
+    if has_quantized_checkpoint(run_dir):
+        meta = read_quantized_meta(run_dir / QUANT_FILE)
+        raise UsageError(
+            f"{run_dir} already holds a quantized (int{meta['bits']}) checkpoint: quantize the "
+            "float32 run it came from instead"
+        )
+    if not has_checkpoint(run_dir):
+        raise UsageError(
+            f"no checkpoint in {run_dir}: train first (python tinyllm.py --train ...) or point "
+            "--run at a trained run directory"
+        )
+    tok_path = run_dir / TOKENIZER_FILE
+    if not tok_path.is_file():
+        raise UsageError(f"no tokenizer in {run_dir}: the run directory is incomplete")
+    params, source = restore_float_params(run_dir)
+    if source.get("tokenizer_sha256") != file_sha256(tok_path):
+        raise UsageError(f"the tokenizer in {run_dir} changed since the model was trained")
+    cfg = config_from_dict(source["config"])
+    if group_size is None:
+        group_size = cfg.train.quant_group_size
+    if group_size <= 0:
+        raise UsageError(f"--group-size must be positive, got {group_size}")
+    qat = cfg.train.qat_bits
+    if qat and (qat != bits or (bits == 4 and group_size != cfg.train.quant_group_size)):
+        print(
+            f"quantize: note: {run_dir} was trained with train.qat_bits={qat}, "
+            f"train.quant_group_size={cfg.train.quant_group_size}; exporting int{bits}"
+            + (f" with group size {group_size}" if bits == 4 else "")
+            + " is not what it was trained for",
+            file=sys.stderr,
+        )
+
+    out_dir = Path(out_dir) if out_dir else run_dir.with_name(f"{run_dir.name}-int{bits}")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UsageError(f"{out_dir} already exists: pick another --out or delete it")
+    # Build the whole directory beside its destination, then rename: never half written.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        shutil.copyfile(tok_path, staging / TOKENIZER_FILE)
+        (staging / CONFIG_FILE).write_text(json.dumps(source["config"], indent=2))
+        meta = {
+            "config": source["config"],
+            "tokenizer_sha256": source["tokenizer_sha256"],
+            "step": source.get("step"),
+            "source_run": str(run_dir),
+            "qat_bits": qat,
+        }
+        write_quantized(staging / QUANT_FILE, params, bits, group_size, meta)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def restore_float_params(run_dir: Path) -> tuple[Any, dict]:
+    """(float32 params as an nnx.State on the default device, checkpoint meta) of a run's
+    latest orbax checkpoint, restored without initialising a model."""
+    checkpoints = Checkpoints(run_dir, read_only=True)
+    try:
+        step = checkpoints.latest_step()
+        meta = checkpoints.read_meta(step)
+        _, abstract, _ = _abstract_split(config_from_dict(meta["config"]).model)
+        params, _, _ = checkpoints.restore(step, abstract)
+    finally:
+        checkpoints.close()
+    return params, meta
+
+
+def load_quantized_model(run_dir: Path) -> tuple[GPT, dict]:
+    """(GPT with dequantized float32 weights, metadata) from RUN_DIR/quantized.npz."""
+    path = Path(run_dir) / QUANT_FILE
+    meta = read_quantized_meta(path)
+    model_cfg = config_from_dict(meta["config"]).model
+    graphdef, abstract, rest = _abstract_split(model_cfg)
+    params, _ = read_quantized(path, abstract)
+    return nnx.merge(graphdef, params, rest), meta
+
+
+def _abstract_split(model_cfg):
+    """graphdef, params as ShapeDtypeStructs (default device), rest: no initialiser is run."""
+    model = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(params=0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if jax.tree_util.tree_leaves(rest):  # non-parameter state needs real values
+        graphdef, _, rest = nnx.split(GPT(model_cfg, rngs=nnx.Rngs(params=0)), nnx.Param, ...)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params
+    )
+    return graphdef, params, rest
+
+
+def _dequantized(npz, key: str, meta: dict) -> np.ndarray:
+    scales = npz[f"scale/{key}"]
+    if meta["bits"] == 4:
+        values = unpack_int4(npz[f"int4/{key}"], tuple(meta["int4_shapes"][key]))
+        group_size = meta["group_size"]
+    else:
+        values = npz[f"int8/{key}"]
+        group_size = values.shape[0]
+    return np.asarray(dequantize(QuantizedKernel(values, scales, group_size)))
+
+
+def _open_npz(path: Path):
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"no quantized checkpoint at {path}")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile) as err:
+        raise UsageError(f"{path} is not a readable quantized checkpoint ({err})") from None
+
+
+def _meta_of(npz, path: Path) -> dict:
+    try:
+        meta = json.loads(bytes(npz["meta.json"]).decode())
+    except (KeyError, ValueError) as err:
+        raise UsageError(f"{path} is not a tinyllm quantized checkpoint ({err})") from None
+    if meta.get("format") != FORMAT:
+        raise UsageError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

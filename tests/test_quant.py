@@ -1,0 +1,324 @@
+"""Quantization: the math (half-step error, int4 packing, STE gradients), the quantized
+checkpoint (sizes, exact round trip), PTQ and QAT through the real stages, and one-line errors
+from scripts/quantize.py."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import tinyllm
+from configs.schema import load_config
+from model.metrics import read_metrics
+from model.quant import (
+    dequantize,
+    fake_quant,
+    fake_quant_tree,
+    pack_int4,
+    quantize,
+    quantize_int4_per_group,
+    quantize_int8_per_channel,
+    unpack_int4,
+)
+from model.quant_checkpoint import (
+    QUANT_FILE,
+    linear_weight_bytes,
+    load_quantized_model,
+    read_quantized,
+    restore_float_params,
+    write_quantized,
+)
+from model.train import cross_entropy, run_train
+from tests.tiny_models import forward, random_tokens, tiny_model
+from tokenizer.errors import UsageError
+from tokenizer.stage import run_tokenize
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=16",
+    "train.batch_size=4",
+    "train.warmup_steps=2",
+    "train.log_interval=1",
+    "train.eval_interval=4",
+    "train.eval_steps=2",
+    "train.learning_rate=3e-3",
+]
+
+_spec = importlib.util.spec_from_file_location("quantize_script", ROOT / "scripts/quantize.py")
+quantize_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(quantize_script)
+
+
+# -- the math ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "shape"),
+    [(8, None, (48, 20)), (4, 16, (48, 20)), (4, 20, (48, 7)), (4, 64, (33, 5)), (4, 1, (5, 3))],
+    ids=["int8", "int4-g16", "int4-remainder", "int4-one-group", "int4-g1"],
+)
+def test_error_is_at_most_half_a_step(bits, group_size, shape):
+    rng = np.random.default_rng(bits + shape[0])
+    w = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.01, 3, shape[1])
+    w[:, 0] = 0.0  # an all-zero column: scale 0, no division by zero
+    w[3, 1] = 40.0  # an outlier only widens its own group's step
+    q = quantize(w, bits, group_size or 64)
+    values, scales = np.asarray(q.values), np.asarray(q.scales)
+    top = 127 if bits == 8 else 7
+    assert values.dtype == np.int8 and values.shape == shape
+    assert np.abs(values).max() <= top and np.abs(values).max() == top
+    groups = 1 if bits == 8 else -(-shape[0] // group_size)
+    assert scales.shape == (groups, shape[1]) and scales.dtype == np.float32
+    step_IxO = np.repeat(scales, q.group_size, axis=0)[: shape[0]]
+    error = np.abs(np.asarray(dequantize(q)) - w)
+    assert np.all(error <= step_IxO / 2 * (1 + 1e-6) + 1e-30)
+    assert np.all(np.asarray(dequantize(q))[:, 0] == 0)
+    # Quantization is a projection: quantizing the dequantized weights changes nothing.
+    again = np.asarray(dequantize(quantize(np.asarray(dequantize(q)), bits, group_size or 64)))
+    np.testing.assert_allclose(again, np.asarray(dequantize(q)), rtol=1e-6, atol=0)
+
+
+def test_int8_is_per_output_channel_and_int4_per_input_group():
+    w = np.ones((8, 3), np.float32) * np.array([1.0, 2.0, 4.0], np.float32)
+    w[5, 0] = 10.0
+    np.testing.assert_allclose(quantize_int8_per_channel(w).scales, [[10 / 127, 2 / 127, 4 / 127]])
+    scales = np.asarray(quantize_int4_per_group(w, group_size=4).scales)
+    np.testing.assert_allclose(scales, [[1 / 7, 2 / 7, 4 / 7], [10 / 7, 2 / 7, 4 / 7]])
+    with pytest.raises(ValueError, match="unsupported bit width 3"):
+        quantize(w, bits=3)
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (16,), (3, 5), (33, 9)])
+def test_int4_packing_round_trips(shape):
+    rng = np.random.default_rng(len(shape))
+    values = rng.integers(-8, 8, shape).astype(np.int8)
+    packed = pack_int4(values)
+    assert packed.dtype == np.uint8 and packed.size == (values.size + 1) // 2
+    np.testing.assert_array_equal(unpack_int4(packed, shape), values)
+
+
+def test_int4_packing_covers_every_value_and_checks_sizes():
+    values = np.arange(-8, 8, dtype=np.int8)
+    np.testing.assert_array_equal(unpack_int4(pack_int4(values), (16,)), values)
+    with pytest.raises(ValueError, match="cannot hold"):
+        unpack_int4(pack_int4(values), (17,))
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        pack_int4(np.array([9], np.int8))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fake_quant_passes_the_gradient_straight_through(bits):
+    rng = np.random.default_rng(bits)
+    w = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
+
+    def loss(weights):
+        return jnp.sum(jnp.tanh(x @ weights) ** 2)
+
+    w_hat = dequantize(quantize(w, bits, group_size=8))
+    np.testing.assert_allclose(fake_quant(w, bits, 8), w_hat, rtol=0, atol=1e-7)
+    grad_ste = jax.grad(lambda v: loss(fake_quant(v, bits, 8)))(w)
+    # STE: d fake_quant / dw = identity, so the gradient is the loss's own gradient, taken at
+    # the quantized weights the forward pass used.
+    np.testing.assert_allclose(grad_ste, jax.grad(loss)(w_hat), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(grad_ste).mean()) > 1e-2  # rounding alone would pass almost none
+
+
+def test_fake_quant_tree_touches_only_linear_kernels():
+    model = tiny_model(n_layer=1)
+    params = nnx.state(model, nnx.Param)
+    fq = nnx.to_pure_dict(fake_quant_tree(params, bits=4, group_size=16))
+    before = nnx.to_pure_dict(params)
+    block, block_fq = before["blocks"][0], fq["blocks"][0]
+    for layer, name in [("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj")]:
+        kernel = block[layer][name]["kernel"]
+        expected = dequantize(quantize(kernel, 4, 16))
+        np.testing.assert_array_equal(block_fq[layer][name]["kernel"], expected)
+        assert not np.array_equal(expected, kernel)
+    for name in ("wte", "wpe"):
+        np.testing.assert_array_equal(fq[name]["embedding"], before[name]["embedding"])
+    np.testing.assert_array_equal(block_fq["ln_1"]["scale"], block["ln_1"]["scale"])
+
+
+# -- the quantized checkpoint ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("bits", "min_ratio"), [(8, 3.5), (4, 6.0)])
+def test_quantized_checkpoint_is_smaller_and_loads_exactly(tmp_path, bits, min_ratio):
+    model = tiny_model(n_layer=1, kernel_scale=1.0)
+    params = nnx.state(model, nnx.Param)
+    path = tmp_path / QUANT_FILE
+    write_quantized(path, params, bits, group_size=64, meta={"config": {}})
+    assert not list(tmp_path.glob("*.tmp"))
+    sizes = linear_weight_bytes(path)
+    assert sizes["linear_fp32"] == 4 * sum(32 * n for n in (96, 32, 128)) + 4 * 128 * 32
+    assert sizes["linear_fp32"] / sizes["linear"] >= min_ratio
+    assert sizes["file"] < sum(x.nbytes for x in jax.tree.leaves(params))
+
+    loaded, meta = read_quantized(path, params)
+    assert meta["bits"] == bits and meta["group_size"] == (64 if bits == 4 else None)
+    expected = fake_quant_tree(params, bits, 64)  # the weights QAT's forward pass sees
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    tokens = random_tokens(2, 16)
+    labels = random_tokens(2, 16, seed=2)
+    fp32_loss = float(cross_entropy(forward(model, tokens), labels))
+    nnx.update(model, loaded)
+    q_loss = float(cross_entropy(forward(model, tokens), labels))
+    tolerance = 0.01 if bits == 8 else 0.1
+    assert abs(q_loss - fp32_loss) <= tolerance * fp32_loss
+
+
+def test_read_rejects_files_that_are_not_quantized_checkpoints(tmp_path):
+    bad = tmp_path / QUANT_FILE
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(UsageError, match="not a readable quantized checkpoint"):
+        read_quantized(bad, {})
+    np.savez(bad.open("wb"), x=np.zeros(2))
+    with pytest.raises(UsageError, match="not a tinyllm quantized checkpoint"):
+        read_quantized(bad, {})
+
+
+# -- PTQ and QAT through the stages ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "tiny.txt"
+    rng = np.random.default_rng(0)
+    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis"]
+    path.write_text("\n".join(" ".join(rng.choice(words, size=8)) for _ in range(300)) + "\n")
+    return path
+
+
+def tiny_config(corpus_file, *extra):
+    overrides = [f"data.input={json.dumps([str(corpus_file)])}", *TINY, *extra]
+    return load_config(ROOT / "configs" / "shakespeare_char.toml", overrides)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, corpus_file):
+    """A float32 run of a tiny model trained for 4 steps."""
+    base = tmp_path_factory.mktemp("runs")
+    run_dir = base / "fp32"
+    run_tokenize(tiny_config(corpus_file), run_dir)
+    run_train(tiny_config(corpus_file, "train.max_steps=4"), run_dir)
+    return run_dir
+
+
+def run_quantize(capsys, *argv):
+    try:
+        code = quantize_script.main([str(a) for a in argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.strip()]
+
+
+def assert_one_line_error(code, lines, prefix, *fragments):
+    assert code == 2, lines
+    errors = [line for line in lines if line.startswith(f"{prefix}: error:")]
+    assert len(errors) == 1 and not any("Traceback" in line for line in lines), lines
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_ptq_run_directory_samples_with_inference(tmp_path, capsys, trained_run, bits):
+    out = tmp_path / f"q{bits}"
+    code, lines = run_quantize(capsys, "--run", trained_run, "--bits", bits, "--out", out)
+    assert code == 0 and "smaller" in lines[-1], lines
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", QUANT_FILE, "tokenizer.pkl"]
+    code, lines = (
+        tinyllm.main(["--inference", "--out", str(out), "--max-new-tokens", "8", "--prompt", "to"]),
+        capsys.readouterr(),
+    )
+    assert code == 0 and lines.out.startswith("to") and len(lines.out) > 3
+
+    float_params, _ = restore_float_params(trained_run)
+    model, meta = load_quantized_model(out)
+    assert meta["bits"] == bits and meta["step"] == 4
+    expected = fake_quant_tree(float_params, bits, 64)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+    # A quantized directory is for sampling only: training or re-tokenizing there is refused.
+    code = tinyllm.main(["--train", "--out", str(out), "--resume"])
+    assert_one_line_error(code, capsys.readouterr().err.splitlines(), "tinyllm", "quantized")
+
+
+def test_qat_fine_tune_exports_what_training_saw(tmp_path, capsys, corpus_file, trained_run):
+    run_dir = tmp_path / "qat"  # a copy of the float32 run, fine-tuned with QAT (--resume)
+    shutil.copytree(trained_run, run_dir)
+    qat = tiny_config(
+        corpus_file, "train.max_steps=8", "train.qat_bits=4", "train.quant_group_size=16"
+    )
+    record = run_train(qat, run_dir, resume=True)
+    assert record["step"] == 8 and np.isfinite(record["val_loss"])
+    steps = [r["step"] for r in read_metrics(run_dir) if "train_loss" in r]
+    assert steps == list(range(1, 9))
+
+    code, lines = run_quantize(capsys, "--run", run_dir, "--bits", 4)
+    out = run_dir.with_name("qat-int4")
+    assert code == 0 and out.is_dir(), lines
+    float_params, meta = restore_float_params(run_dir)
+    assert meta["step"] == 8 and meta["config"]["train"]["qat_bits"] == 4
+    model, qmeta = load_quantized_model(out)
+    assert qmeta["group_size"] == 16 and qmeta["qat_bits"] == 4
+    expected = fake_quant_tree(float_params, 4, 16)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    code = tinyllm.main(
+        ["--inference", "--out", str(out), "--max-new-tokens", "4", "--prompt", "to"]
+    )
+    assert code == 0
+
+
+def test_quantize_bad_input_is_one_line(tmp_path, capsys, corpus_file, trained_run):
+    missing = tmp_path / "nowhere"
+    assert_one_line_error(
+        *run_quantize(capsys, "--run", missing, "--bits", 8), "quantize", "not found"
+    )
+
+    untrained = tmp_path / "untrained"
+    run_tokenize(tiny_config(corpus_file), untrained)
+    assert_one_line_error(
+        *run_quantize(capsys, "--run", untrained, "--bits", 8), "quantize", "no checkpoint in"
+    )
+    assert_one_line_error(
+        *run_quantize(capsys, "--run", trained_run, "--bits", 3),
+        "quantize",
+        "unsupported bit width 3",
+    )
+    assert_one_line_error(
+        *run_quantize(capsys, "--run", trained_run, "--bits", 4, "--group-size", 0),
+        "quantize",
+        "--group-size must be positive",
+    )
+    out = tmp_path / "q8"
+    assert run_quantize(capsys, "--run", trained_run, "--bits", 8, "--out", out)[0] == 0
+    before = (out / QUANT_FILE).read_bytes()
+    assert_one_line_error(
+        *run_quantize(capsys, "--run", out, "--bits", 4), "quantize", "already holds a quantized"
+    )
+    assert_one_line_error(
+        *run_quantize(capsys, "--run", trained_run, "--bits", 8, "--out", out),
+        "quantize",
+        "already exists",
+    )
+    assert (out / QUANT_FILE).read_bytes() == before
+    assert_one_line_error(*run_quantize(capsys, "--bits", 8), "quantize", "--run")
