@@ -2,7 +2,8 @@
 
 Example:
     >>> cfg = ModelConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
-    >>> cfg.validate()
+    >>> cfg.validate() is cfg
+    True
     >>> cfg.head_dim
     16
 """
@@ -39,6 +40,10 @@ class ModelConfig:
     moe_experts: int = 0  # experts per MoE layer; 0 = dense MLP everywhere
     moe_top_k: int = 2  # experts each token is routed to (when moe_experts > 0)
     moe_every: int = 1  # an MoE MLP replaces the dense MLP in every k-th block
+    moe_hidden: int = 0  # expert hidden width; 0 = the dense MLP's (4*n_embd, SwiGLU 8/3*n_embd)
+    moe_aux_weight: float = 0.01  # weight of the Switch load-balancing loss (1 when balanced)
+    moe_z_weight: float = 0.001  # weight of the router z-loss, mean logsumexp(router logits)^2
+    moe_capacity_factor: float = 1.25  # training slots per expert / (tokens*k/E); 0 = dropless
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"; params always float32
 
     @property
@@ -83,6 +88,17 @@ class ModelConfig:
                 f"model.moe_top_k ({self.moe_top_k}) cannot exceed "
                 f"model.moe_experts ({self.moe_experts})"
             )
+        if self.moe_experts > 0 and self.moe_every > self.n_layer:
+            raise UsageError(
+                f"model.moe_every ({self.moe_every}) is above model.n_layer ({self.n_layer}): "
+                "no block would get an MoE MLP"
+            )
+        if not isinstance(self.moe_hidden, int) or self.moe_hidden < 0:
+            raise UsageError(f"model.moe_hidden must be an integer >= 0, got {self.moe_hidden!r}")
+        for name in ("moe_aux_weight", "moe_z_weight", "moe_capacity_factor"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
+                raise UsageError(f"model.{name} must be a finite number >= 0, got {value!r}")
         return self
 
 

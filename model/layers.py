@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig
-from tokenizer.errors import UsageError
+from model.moe import MoEMLP, is_moe_layer
 
 
 def make_norm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -100,15 +100,12 @@ class SwiGLUMLP(nnx.Module):
 
 
 def make_mlp(cfg: ModelConfig, layer_index: int, *, rngs: nnx.Rngs) -> nnx.Module:
-    """The feed-forward layer of block `layer_index`: dense GELU or SwiGLU.
-
-    Mixture of experts will plug in here (an MoE MLP in every cfg.moe_every-th block).
-    """
-    if cfg.moe_experts > 0:
-        raise UsageError(
-            "model.moe_experts > 0: mixture of experts is not implemented yet; "
-            "set model.moe_experts=0"
-        )
+    """The feed-forward layer of block `layer_index`: dense GELU or SwiGLU, or with
+    cfg.moe_experts > 0 a mixture of such experts in every cfg.moe_every-th block
+    (blocks moe_every-1, 2*moe_every-1, ...; see model.moe)."""
+    if is_moe_layer(cfg, layer_index):
+        dense_hidden = swiglu_hidden(cfg.n_embd) if cfg.mlp == "swiglu" else 4 * cfg.n_embd
+        return MoEMLP(cfg, hidden=cfg.moe_hidden or dense_hidden, rngs=rngs)
     if cfg.mlp == "swiglu":
         return SwiGLUMLP(cfg, rngs=rngs)
     return GeluMLP(cfg, rngs=rngs)

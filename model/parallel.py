@@ -2,7 +2,9 @@
 
 Batches are sharded over `data`; parameters are replicated (data parallel) or, with
 `train.fsdp`, sharded over the same axis along their first evenly divisible dimension
-(ZeRO-3 style: XLA gathers them for each use). With several hosts, `jax.distributed` is
+(ZeRO-3 style: XLA gathers them for each use). Mixture-of-experts weights stacked along a
+leading expert axis are split along it whenever the device count divides the expert count
+(expert parallelism: each device holds whole experts). With several hosts, `jax.distributed` is
 initialised from the environment and each host feeds its own rows of the global batch.
 """
 
@@ -15,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from model.moe import EXPERT_PARAM_PREFIX
 from tokenizer.errors import UsageError
 
 _DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "TINYLLM_DISTRIBUTED")
@@ -49,17 +52,22 @@ def check_batch_divisible(micro_batch: int, mesh: Mesh) -> None:
 
 
 def param_shardings(params, mesh: Mesh, fsdp: bool):
-    """Replicated, or (fsdp) split along the first dimension the device count divides."""
+    """Replicated, or (fsdp) split along the first dimension the device count divides;
+    expert-stacked MoE params ([E, ...], named expert_*) split along E when n divides E."""
     n = mesh.devices.size
 
-    def spec(x) -> NamedSharding:
+    def spec(path, x) -> NamedSharding:
+        names = [str(getattr(key, "key", getattr(key, "name", key))) for key in path]
+        is_expert = any(name.startswith(EXPERT_PARAM_PREFIX) for name in names)
+        if is_expert and n > 1 and x.shape[0] % n == 0:
+            return NamedSharding(mesh, P("data"))
         if fsdp and x.ndim >= 2:
             for axis, size in enumerate(x.shape):
                 if size % n == 0:
                     return NamedSharding(mesh, P(*([None] * axis), "data"))
         return NamedSharding(mesh, P())
 
-    return jax.tree_util.tree_map(spec, params)
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def place_on_mesh(tree, mesh: Mesh):

@@ -199,8 +199,8 @@ def test_config_validation(overrides, message):
         dataclasses.replace(TINY, **overrides).validate()
 
 
-def test_valid_config_passes_and_moe_is_not_built_yet():
+def test_valid_config_passes_and_moe_replaces_every_kth_mlp():
     assert TINY.validate() is TINY
-    dataclasses.replace(TINY, moe_experts=4, moe_top_k=2).validate()  # valid config ...
-    with pytest.raises(UsageError, match="not implemented"):  # ... but no MoE layer yet
-        make(moe_experts=4)
+    model = abstract(n_layer=4, moe_experts=4, moe_top_k=2, moe_every=2)
+    kinds = [type(block.mlp).__name__ for block in model.blocks]
+    assert kinds == ["GeluMLP", "MoEMLP", "GeluMLP", "MoEMLP"]
