@@ -184,7 +184,8 @@ def test_read_rejects_files_that_are_not_quantized_checkpoints(tmp_path):
     bad.write_bytes(b"not a zip")
     with pytest.raises(UsageError, match="not a readable quantized checkpoint"):
         read_quantized(bad, {})
-    np.savez(bad.open("wb"), x=np.zeros(2))
+    with bad.open("wb") as f:
+        np.savez(f, x=np.zeros(2))
     with pytest.raises(UsageError, match="not a tinyllm quantized checkpoint"):
         read_quantized(bad, {})
 
