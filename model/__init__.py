@@ -1,5 +1,6 @@
 """tinyllm's model library: the GPT, its KV-cache sampler, and the training stage around it.
 
+Example:
     >>> from flax import nnx
     >>> from model import GPT, ModelConfig, generate_all
     >>> model = GPT(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32),
