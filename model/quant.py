@@ -10,7 +10,8 @@ quantized model or a QAT model's export changes nothing.) -qmax-1 (-128, -8) is 
 
 int8 keeps one scale per output column (reduce over the input dim). int4 keeps one scale per
 group of `group_size` consecutive input rows per output column; when group_size does not divide
-the input dim, the last group holds the remainder (ceil(in / group_size) groups).
+the input dim, the last group holds the remainder (ceil(in / group_size) groups). Leading dims
+are independent kernels: a mixture of experts' stacked [E, in, out] weights quantize per expert.
 
     >>> import numpy as np
     >>> w = np.array([[0.5, -0.5], [-2.0, 0.25]], np.float32)
@@ -31,13 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model.moe import EXPERT_PARAM_PREFIX
+
 SUPPORTED_BITS = (8, 4)
 
 
 class QuantizedKernel(NamedTuple):
-    """Integer values [in, out] (int8, in [-qmax, qmax]), float32 scales [groups, out], and
-    the rows per scale group (the input dim for per-channel int8; the last group may be
-    shorter, so it is not always recoverable from the shapes)."""
+    """Integer values [..., in, out] (int8, in [-qmax, qmax]), float32 scales [..., groups,
+    out], and the rows per scale group (the input dim for per-channel int8; the last group may
+    be shorter, so it is not always recoverable from the shapes)."""
 
     values: Any
     scales: Any
@@ -52,12 +55,12 @@ def qmax(bits: int) -> int:
 
 
 def quantize_int8_per_channel(w_IxO) -> QuantizedKernel:
-    """int8 values [in, out] and one float32 scale per output channel [1, out]."""
-    return _quantize_grouped(w_IxO, bits=8, group_size=w_IxO.shape[0])
+    """int8 values [..., in, out] and one float32 scale per output channel [..., 1, out]."""
+    return _quantize_grouped(w_IxO, bits=8, group_size=w_IxO.shape[-2])
 
 
 def quantize_int4_per_group(w_IxO, group_size: int) -> QuantizedKernel:
-    """int4 values (held in int8) [in, out] and float32 scales [ceil(in/group_size), out]."""
+    """int4 values (held in int8) [..., in, out], float32 scales [..., ceil(in/group), out]."""
     if group_size <= 0:
         raise ValueError(f"group size must be positive, got {group_size}")
     return _quantize_grouped(w_IxO, bits=4, group_size=group_size)
@@ -74,9 +77,9 @@ def quantize(w_IxO, bits: int, group_size: int = 64) -> QuantizedKernel:
 
 
 def dequantize(q: QuantizedKernel, dtype=jnp.float32) -> jax.Array:
-    """values * scale, broadcasting each scale over its group of rows -> [in, out]."""
-    n_in = q.values.shape[0]
-    scales_IxO = jnp.repeat(jnp.asarray(q.scales), q.group_size, axis=0)[:n_in]
+    """values * scale, broadcasting each scale over its group of rows -> [..., in, out]."""
+    n_in = q.values.shape[-2]
+    scales_IxO = jnp.repeat(jnp.asarray(q.scales), q.group_size, axis=-2)[..., :n_in, :]
     return (jnp.asarray(q.values).astype(jnp.float32) * scales_IxO).astype(dtype)
 
 
@@ -93,16 +96,16 @@ def fake_quant(w_IxO: jax.Array, bits: int, group_size: int = 64) -> jax.Array:
 def _quantize_grouped(w_IxO, bits: int, group_size: int) -> QuantizedKernel:
     top = qmax(bits)
     w = jnp.asarray(w_IxO, jnp.float32)
-    n_in, n_out = w.shape
+    *lead, n_in, n_out = w.shape
     n_groups = math.ceil(n_in / group_size)
     # Zero rows pad the last group; they change no absmax and are cut off again below.
-    padded = jnp.pad(w, ((0, n_groups * group_size - n_in), (0, 0)))
-    w_GxSxO = padded.reshape(n_groups, group_size, n_out)
-    scales_GxO = jnp.max(jnp.abs(w_GxSxO), axis=1) / top
+    pad = [(0, 0)] * len(lead) + [(0, n_groups * group_size - n_in), (0, 0)]
+    w_GxSxO = jnp.pad(w, pad).reshape(*lead, n_groups, group_size, n_out)
+    scales_GxO = jnp.max(jnp.abs(w_GxSxO), axis=-2) / top
     # An all-zero group gets scale 0; divide by 1 there (its values are 0 either way).
     safe_GxO = jnp.where(scales_GxO > 0, scales_GxO, 1.0)
-    q_GxSxO = jnp.clip(jnp.round(w_GxSxO / safe_GxO[:, None, :]), -top, top)
-    values_IxO = q_GxSxO.reshape(-1, n_out)[:n_in].astype(jnp.int8)
+    q_GxSxO = jnp.clip(jnp.round(w_GxSxO / safe_GxO[..., None, :]), -top, top)
+    values_IxO = q_GxSxO.reshape(*lead, -1, n_out)[..., :n_in, :].astype(jnp.int8)
     return QuantizedKernel(values_IxO, scales_GxO.astype(jnp.float32), group_size)
 
 
@@ -161,9 +164,15 @@ def path_names(path: tuple) -> tuple[str, ...]:
 
 
 def is_linear_kernel(names: tuple[str, ...], leaf: Any) -> bool:
-    """Linear-layer weights: 2-D leaves named `kernel`. The embedding (also the tied output
-    layer), norms and biases are left in float32, as weight-only quantizers usually do."""
-    return bool(names) and names[-1] == "kernel" and getattr(leaf, "ndim", 0) == 2
+    """Linear-layer weights: 2-D leaves named `kernel`, and the MoE experts' stacked 3-D
+    kernels (`expert_fc`, `expert_proj`, ...). The embedding (also the tied output layer), the
+    MoE router, norms and biases stay float32, as weight-only quantizers usually do."""
+    if not names:
+        return False
+    name, ndim = names[-1], getattr(leaf, "ndim", 0)
+    if name.startswith(EXPERT_PARAM_PREFIX):
+        return ndim == 3 and not name.endswith("_bias")
+    return name == "kernel" and ndim == 2
 
 
 def map_linear_kernels(fn: Callable[[Any], Any], tree: Any) -> Any:

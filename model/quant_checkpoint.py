@@ -259,7 +259,7 @@ def _dequantized(npz, key: str, meta: dict) -> np.ndarray:
         group_size = meta["group_size"]
     else:
         values = npz[f"int8/{key}"]
-        group_size = values.shape[0]
+        group_size = values.shape[-2]
     return np.asarray(dequantize(QuantizedKernel(values, scales, group_size)))
 
 

@@ -149,6 +149,46 @@ def test_fake_quant_tree_touches_only_linear_kernels():
     np.testing.assert_array_equal(block_fq["ln_1"]["scale"], block["ln_1"]["scale"])
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stacked_expert_kernels_quantize_each_expert_on_its_own(bits):
+    rng = np.random.default_rng(bits)
+    w_ExIxO = rng.standard_normal((3, 40, 6)).astype(np.float32)
+    w_ExIxO[1] *= 50.0  # one expert's large weights must not widen the others' steps
+    q = quantize(w_ExIxO, bits, group_size=16)
+    assert q.values.shape == w_ExIxO.shape and q.values.dtype == np.int8
+    assert q.scales.shape == (3, 1 if bits == 8 else 3, 6)
+    for e in range(3):
+        alone = quantize(w_ExIxO[e], bits, group_size=16)
+        np.testing.assert_array_equal(np.asarray(q.values[e]), np.asarray(alone.values))
+        np.testing.assert_array_equal(np.asarray(q.scales[e]), np.asarray(alone.scales))
+        np.testing.assert_array_equal(np.asarray(dequantize(q))[e], np.asarray(dequantize(alone)))
+
+
+def test_moe_expert_kernels_are_quantized_and_the_router_is_not(tmp_path):
+    model = tiny_model(n_layer=1, moe_experts=4, moe_top_k=2, kernel_scale=1.0)
+    params = nnx.state(model, nnx.Param)
+    before = nnx.to_pure_dict(params)["blocks"][0]["mlp"]
+    fq = nnx.to_pure_dict(fake_quant_tree(params, bits=4, group_size=16))["blocks"][0]["mlp"]
+    for name in ("expert_fc", "expert_proj"):
+        expected = dequantize(quantize(before[name], 4, 16))
+        np.testing.assert_array_equal(fq[name], expected)
+        assert not np.array_equal(expected, before[name])
+    np.testing.assert_array_equal(fq["router"], before["router"])
+
+    path = tmp_path / QUANT_FILE
+    write_quantized(path, params, 4, group_size=32, meta={"config": {}})
+    with np.load(path) as npz:
+        keys = set(npz.files)
+    assert {"int4/blocks/0/mlp/expert_fc", "int4/blocks/0/mlp/expert_proj"} <= keys
+    assert "float/blocks/0/mlp/router" in keys
+    loaded, _ = read_quantized(path, params)
+    expected = fake_quant_tree(params, 4, 32)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+    sizes = linear_weight_bytes(path)  # 4 bits + a 32-bit scale per 32 weights: 6.4x
+    assert sizes["linear_fp32"] / sizes["linear"] >= 6
+
+
 # -- the quantized checkpoint ---------------------------------------------------------------
 
 
