@@ -6,6 +6,13 @@ matrices only, gradient clipping at 1.0, no torch.compile, float32 on CPU), time
 tokens. Run by bench_train.py with an interpreter that has torch:
 
     python scripts/torch_reference.py --steps 50 --repeats 5   # prints one JSON line
+
+With --full FILE it instead trains nanoGPT's whole CPU baseline on a text file the way
+nanoGPT's train.py does (character vocab, 90/10 split, random windows from torch.randint, 2000
+iterations, warmup 100 + cosine 1e-3 -> 1e-4, evaluation every 250 iterations on 20 batches)
+and prints the final validation loss, for comparing loss distributions across seeds:
+
+    python scripts/torch_reference.py --full ../shared/data/tinyshakespeare.txt --seed 1337
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import json
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -50,9 +58,10 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d, bias=False)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight  # tied
-        for p in self.parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:  # nanoGPT: N(0, 0.02), residual projections / sqrt(2 n_layer)
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, std=std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1])
@@ -61,6 +70,85 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    decay = [q for q in model.parameters() if q.dim() >= 2]
+    no_decay = [q for q in model.parameters() if q.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-3,
+        betas=(0.9, 0.99),
+    )
+
+
+def nanogpt_lr(it: int, warmup: int = 100, decay_iters: int = 2000) -> float:
+    """nanoGPT's get_lr for its Shakespeare-char config (1e-3 -> 1e-4)."""
+    lr, min_lr = 1e-3, 1e-4
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    if it > decay_iters:
+        return min_lr
+    ratio = (it - warmup) / (decay_iters - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+def full_run(a: argparse.Namespace) -> None:
+    """nanoGPT's train.py loop for its CPU baseline, on a text file; prints one JSON line."""
+    text = Path(a.full).read_text(encoding="utf-8")
+    stoi = {c: i for i, c in enumerate(sorted(set(text)))}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    n = int(0.9 * len(data))
+    splits = {"train": data[:n], "val": data[n:]}
+    torch.manual_seed(a.seed)
+    model = GPT(len(stoi), a.block, a.n_layer, a.n_head, a.n_embd)
+    opt = make_optimizer(model)
+
+    def batch(split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        d = splits[split]
+        ix = torch.randint(len(d) - a.block, (a.batch,))
+        x = torch.stack([d[i : i + a.block] for i in ix])
+        return x, torch.stack([d[i + 1 : i + 1 + a.block] for i in ix])
+
+    @torch.no_grad()
+    def estimate(iters: int) -> dict[str, float]:
+        model.eval()
+        out = {s: statistics.mean(model(*batch(s)).item() for _ in range(iters)) for s in splits}
+        model.train()
+        return out
+
+    curve, start = [], time.perf_counter()
+    for it in range(a.max_iters + 1):
+        for group in opt.param_groups:
+            group["lr"] = nanogpt_lr(it, decay_iters=a.max_iters)
+        if it % 250 == 0 or it == a.max_iters:
+            losses = estimate(20)
+            curve.append(
+                {
+                    "step": it,
+                    "val_loss": round(losses["val"], 4),
+                    "minutes": round((time.perf_counter() - start) / 60, 3),
+                }
+            )
+        if it == a.max_iters:
+            break  # nanoGPT takes one more step after its last evaluation; it changes nothing
+        loss = model(*batch("train"))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss.item()
+    print(
+        json.dumps(
+            {
+                "seed": a.seed,
+                "final_val_loss": curve[-1]["val_loss"],
+                "val_loss_200_batches": round(estimate(200)["val"], 4),
+                "seconds": round(time.perf_counter() - start, 1),
+                "curve": curve,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -73,16 +161,15 @@ def main() -> None:
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--full", metavar="TEXT_FILE", help="train nanoGPT's whole CPU baseline")
+    p.add_argument("--max-iters", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=1337)
     a = p.parse_args()
+    if a.full:
+        return full_run(a)
     torch.manual_seed(0)
     model = GPT(a.vocab, a.block, a.n_layer, a.n_head, a.n_embd)
-    decay = [q for q in model.parameters() if q.dim() >= 2]
-    no_decay = [q for q in model.parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-3,
-        betas=(0.9, 0.99),
-    )
+    opt = make_optimizer(model)
     data = torch.randint(0, a.vocab, (100_000,))
 
     def step() -> None:
