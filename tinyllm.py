@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         enable_compilation_cache()
 
     if args.tokenize or args.train:
-        from model.train import check_run_dir
+        from model.run_dir import check_run_dir
 
         check_run_dir(run_dir, args.tokenize, args.train, args.resume)
     if args.tokenize:

@@ -10,18 +10,25 @@ Example:
 """
 
 # `generate` (the function) stays in model.generate: exporting it would shadow the module.
-from model.config import ModelConfig
-from model.generate import PAD_ID, generate_all
-from model.gpt import GPT, KVCache, count_params, flops_per_token
-from model.sampling import sample_logits
+# Exports load on first use, so `model.config` (which every config load needs) and the other
+# small modules import without pulling in JAX and Flax.
+_EXPORTS = {
+    "GPT": "model.gpt",
+    "KVCache": "model.gpt",
+    "count_params": "model.gpt",
+    "flops_per_token": "model.gpt",
+    "ModelConfig": "model.config",
+    "PAD_ID": "model.generate",
+    "generate_all": "model.generate",
+    "sample_logits": "model.sampling",
+}
 
-__all__ = [
-    "GPT",
-    "PAD_ID",
-    "KVCache",
-    "ModelConfig",
-    "count_params",
-    "flops_per_token",
-    "generate_all",
-    "sample_logits",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'model' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

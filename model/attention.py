@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig
+from model.layers import linear, resid_std
 from model.rope import apply_rope
 
 LayerCache = dict[str, jax.Array]  # {"k": [B, S, H, Dh], "v": [B, S, H, Dh]}
@@ -77,33 +78,13 @@ class CausalSelfAttention(nnx.Module):
     """Multi-head attention with fused qkv projection, as in GPT-2."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        dtype = cfg.compute_dtype
-        std = 0.02
         self.n_head = cfg.n_head
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
-        self.c_attn = nnx.Linear(
-            cfg.n_embd,
-            3 * cfg.n_embd,
-            use_bias=cfg.bias,
-            dtype=dtype,
-            param_dtype=jnp.float32,
-            kernel_init=nnx.initializers.normal(std),
-            bias_init=nnx.initializers.zeros,
-            rngs=rngs,
-        )
+        self.c_attn = linear(cfg, cfg.n_embd, 3 * cfg.n_embd, 0.02, rngs)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), two per block, so the
         # residual stream's variance does not grow with depth.
-        self.c_proj = nnx.Linear(
-            cfg.n_embd,
-            cfg.n_embd,
-            use_bias=cfg.bias,
-            dtype=dtype,
-            param_dtype=jnp.float32,
-            kernel_init=nnx.initializers.normal(std / math.sqrt(2 * cfg.n_layer)),
-            bias_init=nnx.initializers.zeros,
-            rngs=rngs,
-        )
+        self.c_proj = linear(cfg, cfg.n_embd, cfg.n_embd, resid_std(cfg), rngs)
         self.attn_dropout = nnx.Dropout(cfg.dropout) if cfg.dropout > 0 else None
         self.resid_dropout = nnx.Dropout(cfg.dropout)
 

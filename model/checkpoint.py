@@ -18,15 +18,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from model.run_dir import CHECKPOINT_DIR, has_checkpoint  # noqa: F401 (re-exported)
 from tokenizer.errors import UsageError
-
-CHECKPOINT_DIR = "checkpoints"
-
-
-def has_checkpoint(run_dir: Path) -> bool:
-    """Whether a run directory holds a committed checkpoint (orbax names them by step)."""
-    directory = Path(run_dir) / CHECKPOINT_DIR
-    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 
 class Checkpoints:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax.numpy as jnp
-
 from tokenizer.errors import UsageError
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = ("float32", "bfloat16")  # names only: configs load without importing JAX
 
 
 # unsafe_hash: the config is static data of the model's graphdef, which jit hashes as a static
@@ -52,9 +50,11 @@ class ModelConfig:
         return self.n_embd // self.n_head
 
     @property
-    def compute_dtype(self) -> jnp.dtype:
+    def compute_dtype(self):
         """The jnp dtype activations are computed in."""
-        return DTYPES[self.dtype]
+        import jax.numpy as jnp
+
+        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[self.dtype]
 
     def validate(self) -> ModelConfig:
         """Raise UsageError with one line naming the first bad value; return self if valid."""
@@ -69,7 +69,7 @@ class ModelConfig:
         _check_choice("norm", self.norm, NORMS)
         _check_choice("mlp", self.mlp, MLPS)
         _check_choice("position", self.position, POSITIONS)
-        _check_choice("dtype", self.dtype, tuple(DTYPES))
+        _check_choice("dtype", self.dtype, DTYPES)
         if self.position == "rope" and self.head_dim % 2 != 0:
             raise UsageError(
                 f"model.position='rope' needs an even head dim, got n_embd/n_head = {self.head_dim}"

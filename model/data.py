@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenizer.atomic import write_atomic
 from tokenizer.errors import UsageError
 
 CACHE_DIR = "tokens"
@@ -50,14 +51,20 @@ def file_sha256(path: Path) -> str:
 
 
 def load_token_splits(
-    corpus, tokenizer, tokenizer_path: Path, run_dir: Path, val_fraction: float
+    corpus,
+    tokenizer,
+    tokenizer_path: Path,
+    run_dir: Path,
+    val_fraction: float,
+    tokenizer_sha: str | None = None,
 ) -> TokenSplits:
-    """Encode the corpus into the cache if it is missing or stale, then memory-map it."""
+    """Encode the corpus into the cache if it is missing or stale, then memory-map it.
+    `tokenizer_sha` is the tokenizer file's hash when the caller has it already."""
     cache = run_dir / CACHE_DIR
     key = {
         "version": CACHE_VERSION,
         "corpus": corpus.fingerprint,
-        "tokenizer": file_sha256(tokenizer_path),
+        "tokenizer": tokenizer_sha or file_sha256(tokenizer_path),
     }
     meta_path = cache / "meta.json"
     meta = _read_meta(meta_path)
@@ -71,8 +78,16 @@ def load_token_splits(
             f"the corpus is too small: {n} tokens cannot be split into train and validation"
         )
     train, val = tokens[: n - n_val], tokens[n - n_val :]
-    val_bytes = len(tokenizer.decode_bytes(np.asarray(val).tolist()))
-    return TokenSplits(train=train, val=val, val_bytes=val_bytes)
+    return TokenSplits(train=train, val=val, val_bytes=byte_count(tokenizer, val))
+
+
+def byte_count(tokenizer, ids: np.ndarray) -> int:
+    """len(tokenizer.decode_bytes(ids)), from a histogram of the ids: no Python list of a
+    whole split and no joined bytes (a large validation split would take gigabytes)."""
+    lengths = np.zeros(max(tokenizer.vocab) + 1, np.int64)
+    for idx, token in tokenizer.vocab.items():
+        lengths[idx] = len(token)
+    return int(np.bincount(ids, minlength=len(lengths)) @ lengths)
 
 
 def _read_meta(path: Path) -> dict | None:
@@ -116,9 +131,7 @@ def _build_cache(corpus, tokenizer, cache: Path, key: dict) -> dict:
     finally:
         tmp.unlink(missing_ok=True)
     meta = {"key": key, "dtype": np.dtype(dtype).name, "n_tokens": n_tokens, "n_chars": n_chars}
-    tmp_meta = cache / "meta.json.tmp"
-    tmp_meta.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp_meta, cache / "meta.json")
+    write_atomic(cache / "meta.json", json.dumps(meta, indent=1))
     seconds = time.perf_counter() - start
     print(
         ("\r" if sys.stderr.isatty() else "")

@@ -56,7 +56,7 @@ import numpy as np
 from flax import nnx
 
 from model.gpt import GPT
-from model.sampling import check_sampling, sample_logits
+from model.sampling import sample_logits, sampling_params
 from tokenizer.errors import UsageError
 
 PAD_ID = -1  # what a stopped sample emits after its stop token
@@ -84,24 +84,29 @@ def generate(
     Concatenated, the chunks hold max_new_tokens columns, fewer if every sample stopped.
     Bad arguments raise UsageError here, before the first chunk is asked for.
     """
-    cfg = model.cfg
-    prompt = _check_inputs(
-        prompt_ids,
-        cfg.vocab_size,
-        max_new_tokens,
-        temperature,
-        top_k,
-        top_p,
-        num_samples,
-        stop_token,
-        chunk_size,
-    )
-    prompt = prompt[-cfg.block_size :]
+    vocab_size = model.cfg.vocab_size
+    prompt = np.asarray(prompt_ids)
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise UsageError("the prompt is empty: give at least one token")
+    if not np.issubdtype(prompt.dtype, np.integer):
+        raise UsageError(f"prompt ids must be integers, got dtype {prompt.dtype}")
+    if prompt.min() < 0 or prompt.max() >= vocab_size:
+        raise UsageError(f"prompt ids must be in 0..{vocab_size - 1} (the model's vocabulary)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise UsageError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise UsageError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    if stop_token is not None and not 0 <= stop_token < vocab_size:
+        raise UsageError(f"stop_token must be in 0..{vocab_size - 1}, got {stop_token!r}")
+    temperature_, top_k_, top_p_ = sampling_params(temperature, top_k, top_p)
+    prompt = prompt.astype(np.int32)[-model.cfg.block_size :]
     settings = {
         "key": jax.random.key(seed),
-        "temperature": jnp.asarray(temperature, jnp.float32),
-        "top_k": jnp.asarray(top_k, jnp.int32),
-        "top_p": jnp.asarray(top_p, jnp.float32),
+        "temperature": temperature_,
+        "top_k": top_k_,
+        "top_p": top_p_,
         "stop": jnp.asarray(-1 if stop_token is None else stop_token, jnp.int32),
     }
     return _stream(
@@ -157,39 +162,6 @@ def generate_all(model: GPT, prompt_ids: list[int] | np.ndarray, **kwargs) -> np
 def prompt_bucket(n: int, block_size: int) -> int:
     """Padded prefill length for n tokens: the next power of two >= max(n, 8), <= block_size."""
     return min(block_size, max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length()))
-
-
-# -- input checks -----------------------------------------------------------------------------
-
-
-def _check_inputs(
-    prompt_ids,
-    vocab_size,
-    max_new_tokens,
-    temperature,
-    top_k,
-    top_p,
-    num_samples,
-    stop_token,
-    chunk_size,
-) -> np.ndarray:
-    prompt = np.asarray(prompt_ids)
-    if prompt.ndim != 1 or prompt.size == 0:
-        raise UsageError("the prompt is empty: give at least one token")
-    if not np.issubdtype(prompt.dtype, np.integer):
-        raise UsageError(f"prompt ids must be integers, got dtype {prompt.dtype}")
-    if prompt.min() < 0 or prompt.max() >= vocab_size:
-        raise UsageError(f"prompt ids must be in 0..{vocab_size - 1} (the model's vocabulary)")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise UsageError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise UsageError(f"num_samples must be an integer >= 1, got {num_samples!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise UsageError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    if stop_token is not None and not 0 <= stop_token < vocab_size:
-        raise UsageError(f"stop_token must be in 0..{vocab_size - 1}, got {stop_token!r}")
-    check_sampling(temperature, top_k, top_p)
-    return prompt.astype(np.int32)
 
 
 # -- the carry: what one chunk hands the next -------------------------------------------------

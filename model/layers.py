@@ -47,7 +47,8 @@ def swiglu_hidden(n_embd: int) -> int:
     return 8 * math.ceil(int(2 * 4 * n_embd / 3) / 8)
 
 
-def _linear(cfg: ModelConfig, n_in: int, n_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
+def linear(cfg: ModelConfig, n_in: int, n_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
+    """A Linear in the model's compute dtype with float32 params, N(0, std) kernel, zero bias."""
     return nnx.Linear(
         n_in,
         n_out,
@@ -60,7 +61,7 @@ def _linear(cfg: ModelConfig, n_in: int, n_out: int, std: float, rngs: nnx.Rngs)
     )
 
 
-def _resid_std(cfg: ModelConfig) -> float:
+def resid_std(cfg: ModelConfig) -> float:
     # GPT-2: the projection back into the residual stream is scaled by 1/sqrt(2 * n_layer).
     return 0.02 / math.sqrt(2 * cfg.n_layer)
 
@@ -69,8 +70,8 @@ class GeluMLP(nnx.Module):
     """GPT-2 MLP: Linear(D, 4D) -> GELU -> Linear(4D, D); exact (erf) GELU as nanoGPT (nn.GELU)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.c_fc = _linear(cfg, cfg.n_embd, 4 * cfg.n_embd, 0.02, rngs)
-        self.c_proj = _linear(cfg, 4 * cfg.n_embd, cfg.n_embd, _resid_std(cfg), rngs)
+        self.c_fc = linear(cfg, cfg.n_embd, 4 * cfg.n_embd, 0.02, rngs)
+        self.c_proj = linear(cfg, 4 * cfg.n_embd, cfg.n_embd, resid_std(cfg), rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def __call__(
@@ -86,9 +87,9 @@ class SwiGLUMLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         hidden = swiglu_hidden(cfg.n_embd)
-        self.gate = _linear(cfg, cfg.n_embd, hidden, 0.02, rngs)
-        self.up = _linear(cfg, cfg.n_embd, hidden, 0.02, rngs)
-        self.c_proj = _linear(cfg, hidden, cfg.n_embd, _resid_std(cfg), rngs)
+        self.gate = linear(cfg, cfg.n_embd, hidden, 0.02, rngs)
+        self.up = linear(cfg, cfg.n_embd, hidden, 0.02, rngs)
+        self.c_proj = linear(cfg, hidden, cfg.n_embd, resid_std(cfg), rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def __call__(

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from tokenizer.atomic import write_atomic
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
@@ -59,9 +61,7 @@ class MetricsLog:
                         kept.append(line + "\n")
                 except (ValueError, KeyError):
                     continue
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(kept))
         self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
 
     def write(self, record: dict) -> None:

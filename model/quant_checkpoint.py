@@ -47,16 +47,12 @@ from model.quant import (
     quantize,
     unpack_int4,
 )
+from model.run_dir import CONFIG_FILE, QUANT_FILE, has_quantized_checkpoint
+from tokenizer.atomic import write_atomic
 from tokenizer.errors import UsageError
 from tokenizer.stage import TOKENIZER_FILE
 
-QUANT_FILE = "quantized.npz"
 FORMAT = "tinyllm-quantized-v1"
-CONFIG_FILE = "config.json"
-
-
-def has_quantized_checkpoint(run_dir: Path) -> bool:
-    return (Path(run_dir) / QUANT_FILE).is_file()
 
 
 # -- the file ------------------------------------------------------------------------------
@@ -93,7 +89,7 @@ def write_quantized(path: Path, params: Any, bits: int, group_size: int, meta: d
     arrays["meta.json"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    _atomic_write(Path(path), buffer.getvalue())
+    write_atomic(Path(path), buffer.getvalue())
 
 
 def read_quantized_meta(path: Path) -> dict:
@@ -281,9 +277,3 @@ def _meta_of(npz, path: Path) -> dict:
     if meta.get("format") != FORMAT:
         raise UsageError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -24,7 +23,7 @@ import optax
 from flax import nnx
 
 from configs.schema import Config, config_from_dict
-from model.checkpoint import Checkpoints, has_checkpoint
+from model.checkpoint import Checkpoints
 from model.config import ModelConfig
 from model.data import TokenSplits, file_sha256, load_token_splits, sample_batch
 from model.gpt import GPT, count_params, flops_per_token
@@ -40,12 +39,11 @@ from model.parallel import (
     put_batch,
 )
 from model.quant import fake_quant_tree
-from model.quant_checkpoint import has_quantized_checkpoint
+from model.run_dir import CONFIG_FILE, check_run_dir
 from tokenizer import load_tokenizer
+from tokenizer.atomic import write_atomic
 from tokenizer.errors import TrainingDiverged, UsageError
 from tokenizer.stage import TOKENIZER_FILE, corpus_for
-
-CONFIG_FILE = "config.json"
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
@@ -54,27 +52,6 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
         logits_BxTxV.astype(jnp.float32), targets_BxT
     )
     return losses.mean()
-
-
-def check_run_dir(run_dir: Path, tokenize: bool, train: bool, resume: bool) -> None:
-    """Refuse to overwrite a trained run: a new tokenizer or a fresh start would orphan it."""
-    if (tokenize or train) and has_quantized_checkpoint(run_dir):
-        raise UsageError(
-            f"{run_dir} holds a quantized checkpoint, which is for --inference only: train in "
-            "the float32 run it came from, or pick another --out"
-        )
-    if not has_checkpoint(run_dir):
-        return
-    if tokenize:
-        raise UsageError(
-            f"{run_dir} already holds a trained model; --tokenize would replace the tokenizer "
-            "it was trained with: pick another --out (or delete the directory to start over)"
-        )
-    if train and not resume:
-        raise UsageError(
-            f"{run_dir} already holds a trained model: add --resume to continue it, "
-            "or pick another --out (or delete the directory to start over)"
-        )
 
 
 def model_config_for(cfg: Config, vocab_size: int) -> ModelConfig:
@@ -193,6 +170,7 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     check_run_dir(run_dir, tokenize=False, train=True, resume=resume)
     maybe_initialize_distributed()
     tokenizer = load_tokenizer(tok_path)
+    tokenizer_sha = file_sha256(tok_path)
     model_cfg = model_config_for(cfg, tokenizer.vocab_size)
     checkpoints = Checkpoints(run_dir)
     start_step = 0
@@ -200,20 +178,23 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
         start_step = checkpoints.latest_step()
         if start_step is None:
             raise UsageError(f"--resume: no checkpoint in {run_dir}; train without --resume")
-        check_compatible(checkpoints.read_meta(start_step), model_cfg, file_sha256(tok_path))
+        check_compatible(checkpoints.read_meta(start_step), model_cfg, tokenizer_sha)
         if start_step >= cfg.train.max_steps:
             raise UsageError(
                 f"--resume: the checkpoint is at step {start_step}, train.max_steps is "
                 f"{cfg.train.max_steps}; raise train.max_steps to train further"
             )
 
-    splits = load_token_splits(corpus_for(cfg), tokenizer, tok_path, run_dir, cfg.data.val_fraction)
+    splits = load_token_splits(
+        corpus_for(cfg), tokenizer, tok_path, run_dir, cfg.data.val_fraction, tokenizer_sha
+    )
     trainer = Trainer(cfg, model_cfg)
     if resume:
         trainer.params, trainer.opt_state, _ = checkpoints.restore(
             start_step, trainer.params, trainer.opt_state
         )
-    _write_json(run_dir / CONFIG_FILE, _resolved(cfg, model_cfg))
+    resolved = _resolved(cfg, model_cfg)
+    _write_json(run_dir / CONFIG_FILE, resolved)
     device = jax.devices()[0]
     print(
         f"train: {trainer.n_params / 1e6:.2f}M parameters, {len(splits.train):,} train / "
@@ -223,20 +204,21 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
         file=sys.stderr,
     )
     try:
-        return _loop(trainer, splits, checkpoints, run_dir, start_step, tok_path)
+        meta = {"config": resolved, "tokenizer_sha256": tokenizer_sha}
+        return _loop(trainer, splits, checkpoints, run_dir, start_step, meta)
     finally:
         checkpoints.close()
 
 
-def _loop(trainer, splits, checkpoints, run_dir, start_step, tok_path) -> dict:
-    cfg, t = trainer.cfg, trainer.cfg.train
+def _loop(trainer, splits, checkpoints, run_dir, start_step, meta: dict) -> dict:
+    """The training loop; `meta` (resolved config, tokenizer hash) goes with each checkpoint."""
+    t = trainer.cfg.train
     tokens_per_step = t.batch_size * trainer.model_cfg.block_size
     flops_per_step = flops_per_token(trainer.model_cfg) * tokens_per_step
     peak = peak_flops(jax.devices()[0].device_kind)
     ckpt_every = t.checkpoint_interval or t.eval_interval
     log = MetricsLog(run_dir, start_step if start_step else None)
     progress = Progress(t.max_steps, start_step, every_plain=t.log_interval * 10)
-    meta = {"config": _resolved(cfg, trainer.model_cfg), "tokenizer_sha256": file_sha256(tok_path)}
 
     interrupted = []
     previous_handler = signal.getsignal(signal.SIGINT)
@@ -375,6 +357,4 @@ def _resolved(cfg: Config, model_cfg: ModelConfig) -> dict:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2))

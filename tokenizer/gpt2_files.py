@@ -18,6 +18,7 @@ import os
 from functools import cache
 from pathlib import Path
 
+from tokenizer.atomic import write_atomic
 from tokenizer.errors import UsageError
 
 Vocab = dict[int, bytes]
@@ -117,15 +118,8 @@ def write_gpt2_files(
         key = specials[idx] if idx in specials else encode_token(vocab[idx])
         encoder.setdefault(key, idx)  # a duplicate byte string keeps its lowest id
     lines = ["#version: 0.2"] + [f"{encode_token(a)} {encode_token(b)}" for a, b in merges]
-    _write_text(vocab_json, json.dumps(encoder, ensure_ascii=False))
-    _write_text(merges_txt, "\n".join(lines) + "\n")
-
-
-def _write_text(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(vocab_json, json.dumps(encoder, ensure_ascii=False))
+    write_atomic(merges_txt, "\n".join(lines) + "\n")
 
 
 def read_tiktoken_file(path: str | os.PathLike) -> tuple[Vocab, Merges]:
@@ -180,4 +174,4 @@ def _bpe_below(token: bytes, ranks: dict[bytes, int], max_rank: int) -> list[byt
 def write_tiktoken_file(vocab: Vocab, path: str | os.PathLike) -> None:
     """Write a `.tiktoken` file (ids as ranks) for a vocab of non-special tokens."""
     lines = [f"{base64.b64encode(vocab[i]).decode()} {i}" for i in sorted(vocab)]
-    _write_text(path, "\n".join(lines) + "\n")
+    write_atomic(path, "\n".join(lines) + "\n")

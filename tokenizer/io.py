@@ -19,10 +19,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from tokenizer.atomic import write_atomic
 from tokenizer.base import Tokenizer
 from tokenizer.errors import UsageError
 
@@ -34,17 +34,7 @@ def save_params(path: str | os.PathLike, kind: str, params: dict[str, Any]) -> N
     """Write the pickle atomically: a temp file in the same directory, fsync, os.replace."""
     path = Path(path)
     payload = {"format": FORMAT, "version": VERSION, "kind": kind, **params}
-    data = pickle.dumps(payload, protocol=4)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, pickle.dumps(payload, protocol=4))
 
 
 class _PlainUnpickler(pickle.Unpickler):
