@@ -14,14 +14,17 @@ import time
 from pathlib import Path
 
 import numpy as np
-from flax import nnx
 
 from configs.schema import Config, config_from_dict
-from model.checkpoint import Checkpoints, has_checkpoint
+from model.checkpoint import has_checkpoint
 from model.data import file_sha256
 from model.generate import generate
-from model.gpt import GPT
-from model.quant_checkpoint import QUANT_FILE, has_quantized_checkpoint, load_quantized_model
+from model.quant_checkpoint import (
+    QUANT_FILE,
+    has_quantized_checkpoint,
+    load_float_model,
+    load_quantized_model,
+)
 from tokenizer import load_tokenizer
 from tokenizer.errors import UsageError
 from tokenizer.stage import TOKENIZER_FILE
@@ -41,40 +44,24 @@ def load_trained(run_dir: Path):
     if not tok_path.is_file():
         raise UsageError(f"no tokenizer in {run_dir}: the run directory is incomplete")
     tokenizer = load_tokenizer(tok_path)
-    if quantized:
-        model, meta = load_quantized_model(run_dir)
-        if meta.get("tokenizer_sha256") != file_sha256(tok_path):
-            raise UsageError(
-                f"the tokenizer in {run_dir} is not the one {QUANT_FILE} was made with: "
-                "quantize the trained run again"
-            )
-        return tokenizer, model, config_from_dict(meta["config"])
-    checkpoints = Checkpoints(run_dir, read_only=True)
-    try:
-        step = checkpoints.latest_step()
-        meta = checkpoints.read_meta(step)
-        if meta.get("tokenizer_sha256") != file_sha256(tok_path):
-            raise UsageError(
-                f"the tokenizer in {run_dir} changed since the model was trained: retrain it"
-            )
-        saved = config_from_dict(meta["config"])
-        model = GPT(saved.model, rngs=nnx.Rngs(params=0))
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        params, _, _ = checkpoints.restore(step, params)
-        model = nnx.merge(graphdef, params, rest)
-    finally:
-        checkpoints.close()
-    return tokenizer, model, saved
+    model, meta = (load_quantized_model if quantized else load_float_model)(run_dir)
+    if meta.get("tokenizer_sha256") != file_sha256(tok_path):
+        raise UsageError(
+            f"the tokenizer in {run_dir} is not the one {QUANT_FILE} was made with: "
+            "quantize the trained run again"
+            if quantized
+            else f"the tokenizer in {run_dir} changed since the model was trained: retrain it"
+        )
+    return tokenizer, model, config_from_dict(meta["config"])
 
 
 def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
     ids = tokenizer.encode(prompt)
     if not ids:
-        eot = "<|endoftext|>"
-        if eot in getattr(tokenizer, "special_tokens", ()):
-            ids = tokenizer.encode(eot)
-        else:
+        eot = stop_token_of(tokenizer)
+        if eot is None:
             raise UsageError("the prompt is empty: give some text with --prompt")
+        ids = [eot]
     if len(ids) >= block_size:
         raise UsageError(
             f"the prompt is {len(ids)} tokens, longer than the model's context of {block_size} "

@@ -214,15 +214,27 @@ def quantize_run(
 def restore_float_params(run_dir: Path) -> tuple[Any, dict]:
     """(float32 params as an nnx.State on the default device, checkpoint meta) of a run's
     latest orbax checkpoint, restored without initialising a model."""
+    _, params, _, meta = _restore_float(run_dir)
+    return params, meta
+
+
+def load_float_model(run_dir: Path) -> tuple[GPT, dict]:
+    """(GPT with the weights of the run's latest checkpoint, checkpoint meta); no
+    initialiser runs, the weights come straight from the checkpoint."""
+    graphdef, params, rest, meta = _restore_float(run_dir)
+    return nnx.merge(graphdef, params, rest), meta
+
+
+def _restore_float(run_dir: Path):
     checkpoints = Checkpoints(run_dir, read_only=True)
     try:
         step = checkpoints.latest_step()
         meta = checkpoints.read_meta(step)
-        _, abstract, _ = _abstract_split(config_from_dict(meta["config"]).model)
+        graphdef, abstract, rest = _abstract_split(config_from_dict(meta["config"]).model)
         params, _, _ = checkpoints.restore(step, abstract)
     finally:
         checkpoints.close()
-    return params, meta
+    return graphdef, params, rest, meta
 
 
 def load_quantized_model(run_dir: Path) -> tuple[GPT, dict]:
@@ -248,7 +260,7 @@ def _abstract_split(model_cfg):
     return graphdef, params, rest
 
 
-def _dequantized(npz, key: str, meta: dict) -> np.ndarray:
+def _dequantized(npz, key: str, meta: dict) -> jax.Array:
     scales = npz[f"scale/{key}"]
     if meta["bits"] == 4:
         values = unpack_int4(npz[f"int4/{key}"], tuple(meta["int4_shapes"][key]))
@@ -256,7 +268,7 @@ def _dequantized(npz, key: str, meta: dict) -> np.ndarray:
     else:
         values = npz[f"int8/{key}"]
         group_size = values.shape[-2]
-    return np.asarray(dequantize(QuantizedKernel(values, scales, group_size)))
+    return dequantize(QuantizedKernel(values, scales, group_size))  # stays on the device
 
 
 def _open_npz(path: Path):

@@ -153,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         ]
 
     tok_path = fp32_dir / TOKENIZER_FILE
-    splits = load_token_splits(
-        corpus_for(cfg), load_tokenizer(tok_path), tok_path, fp32_dir, cfg.data.val_fraction
-    )
+    tokenizer = load_tokenizer(tok_path)
+    val_fraction = cfg.data.val_fraction
+    splits = load_token_splits(corpus_for(cfg), tokenizer, tok_path, fp32_dir, val_fraction)
     # A float32 Trainer (qat_bits=0) scores every model: quantized ones are dequantized first.
-    trainer = Trainer(cfg, model_config_for(cfg, load_tokenizer(tok_path).vocab_size))
+    trainer = Trainer(cfg, model_config_for(cfg, tokenizer.vocab_size))
     shardings = jax.tree_util.tree_map(lambda a: a.sharding, trainer.params)
     fp32_bpb = None
     lines = [
@@ -170,10 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             sizes = linear_weight_bytes(run_dir / QUANT_FILE)
             linear, file_size = sizes["linear"], sizes["file"]
         else:
-            params, _ = restore_float_params(run_dir)
-            ckpt = Checkpoints(run_dir, read_only=True)
-            step = ckpt.latest_step()
-            ckpt.close()
+            params, meta = restore_float_params(run_dir)
+            step = meta["step"]
             int8 = linear_weight_bytes(quantized(fp32_dir, 8, None) / QUANT_FILE)
             linear = int8["linear_fp32"]
             file_size = dir_bytes(run_dir / CHECKPOINT_DIR / str(step) / "params")

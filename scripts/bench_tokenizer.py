@@ -51,13 +51,11 @@ def gpt2_files() -> tuple[Path, Path]:
     return base / "encoder.json", base / "vocab.bpe"
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of fn takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def hf_train(text: str, vocab_size: int):
@@ -111,10 +109,8 @@ def main() -> None:
     ]:
         ours, hf = [], []
         for _ in range(r):
-            ours.append(
-                median_time(lambda t=text, v=vocab_size: BPETokenizer.train(t, v, [EOT]), 1)
-            )
-            hf.append(median_time(lambda t=text, v=vocab_size: hf_train(t, v), 1))
+            ours.append(timed(lambda t=text, v=vocab_size: BPETokenizer.train(t, v, [EOT])))
+            hf.append(timed(lambda t=text, v=vocab_size: hf_train(t, v)))
         o, h = statistics.median(ours), statistics.median(hf)
         rows.append(
             f"| train {name}, vocab {vocab_size} | {o:.3f} s | {h:.3f} s (HF tokenizers) "
@@ -129,9 +125,9 @@ def main() -> None:
     cold, warm, tik = [], [], []
     for _ in range(r):
         ours_tok._cache.clear()
-        cold.append(median_time(lambda: ours_tok.encode(shakespeare), 1))
-        warm.append(median_time(lambda: ours_tok.encode(shakespeare), 1))
-        tik.append(median_time(lambda: enc.encode_ordinary(shakespeare), 1))
+        cold.append(timed(lambda: ours_tok.encode(shakespeare)))
+        warm.append(timed(lambda: ours_tok.encode(shakespeare)))
+        tik.append(timed(lambda: enc.encode_ordinary(shakespeare)))
     tik_mbs = megabytes / statistics.median(tik)
     for label, times in [("cold cache", cold), ("warm cache", warm)]:
         mbs = megabytes / statistics.median(times)

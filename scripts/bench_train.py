@@ -65,7 +65,7 @@ def time_tinyllm(steps: int, repeats: int) -> dict:
     ms = statistics.median(times) * 1000
     return {
         "ms_per_step": round(ms, 2),
-        "tokens_per_sec": round(12 * 64 / (ms / 1000), 1),
+        "tokens_per_sec": round(cfg.train.batch_size * cfg.model.block_size / (ms / 1000), 1),
         "compile_s": round(compile_s, 2),
         "device": jax.devices()[0].device_kind,
     }
@@ -98,8 +98,9 @@ def full_run(out: Path) -> list[dict]:
         str(out),
     ]
     subprocess.run(cmd, check=True, cwd=ROOT)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "val_loss" in r]
+    from model.metrics import read_metrics
+
+    return [r for r in read_metrics(out) if "val_loss" in r]
 
 
 def main() -> None:
