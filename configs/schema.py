@@ -81,7 +81,7 @@ class SampleConfig:
 @dataclass
 class Config:
     name: str = "default"  # names the run directory runs/<name>
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=0))
+    model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -169,8 +169,6 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
             values[name] = _build(hint, value, f"{prefix}{name}.")
         else:
             values[name] = _coerce(value, hint, f"{prefix}{name}")
-    if cls is ModelConfig:
-        values.setdefault("vocab_size", 0)  # known only once the tokenizer exists
     return cls(**values)
 
 

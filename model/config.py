@@ -24,7 +24,9 @@ DTYPES = ("float32", "bfloat16")  # names only: configs load without importing J
 # argument; the model keeps its own copy, so later edits of the caller's config are harmless.
 @dataclass(unsafe_hash=True)
 class ModelConfig:
-    vocab_size: int  # number of token ids the embedding and the output layer cover
+    # Number of token ids the embedding and the output layer cover; 0 in a config file, where
+    # it is not known until the tokenizer exists (the train stage fills it in).
+    vocab_size: int = 0
     block_size: int = 256  # context length: the most tokens the model attends over at once
     n_layer: int = 6  # number of transformer blocks
     n_head: int = 6  # attention heads per block; n_embd must be a multiple of it

@@ -1,7 +1,9 @@
 """The interface every tokenizer kind shares, and the utilities built once on top of it.
 
-A subclass provides `encode`, `_params`/`_from_params` and the `vocab` / `special_tokens`
-attributes; this class adds decoding, streaming, batching, inspection and persistence.
+A subclass provides `_encode_ordinary` (text without special tokens), `_params`/`_from_params`
+and the `vocab` / `special_tokens` attributes, and calls `_set_specials` once they are known;
+this class adds encoding around special tokens, decoding, streaming, batching, inspection and
+persistence.
 
     >>> from tokenizer import CharTokenizer
     >>> tok = CharTokenizer.train("hello")
@@ -16,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Self
 
 from tokenizer.errors import UsageError
-from tokenizer.pretokenize import compile_specials, iter_safe_pieces
+from tokenizer.pretokenize import compile_specials, iter_safe_pieces, split_specials
 
 # encode_iterable encodes once it holds this many characters (and finds a safe cut).
 STREAM_PIECE_CHARS = 1 << 16
@@ -30,7 +32,8 @@ class Tokenizer:
     special_tokens: dict[str, int]
 
     # --- provided by subclasses -------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def _encode_ordinary(self, text: str) -> list[int]:
+        """Ids of text that holds no special tokens (or whose special tokens are plain text)."""
         raise NotImplementedError
 
     def _params(self) -> dict[str, Any]:
@@ -40,6 +43,25 @@ class Tokenizer:
     @classmethod
     def _from_params(cls, params: dict[str, Any]) -> Self:
         raise NotImplementedError
+
+    # --- encoding ---------------------------------------------------------------------------
+    def _set_specials(self) -> None:
+        """Compile the special-token splitter once `special_tokens` is set."""
+        self._specials_re = compile_specials(self.special_tokens)
+        self._max_special_len = max(map(len, self.special_tokens), default=0)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`; special tokens in it are split out first (longest match first) and
+        become their single ids."""
+        if self._specials_re is None:
+            return self._encode_ordinary(text)
+        out: list[int] = []
+        for i, segment in enumerate(split_specials(text, self._specials_re)):
+            if i % 2:
+                out.append(self.special_tokens[segment])
+            elif segment:
+                out.extend(self._encode_ordinary(segment))
+        return out
 
     # --- decoding ---------------------------------------------------------------------------
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
@@ -74,10 +96,10 @@ class Tokenizer:
         >>> list(CharTokenizer.train("ab").encode_iterable(["ab", "ba"]))
         [0, 1, 1, 0]
         """
-        specials = list(self.special_tokens)
-        specials_re = compile_specials(specials)
-        max_len = max(map(len, specials), default=0)
-        for piece in iter_safe_pieces(iterable, specials_re, max_len, STREAM_PIECE_CHARS):
+        pieces = iter_safe_pieces(
+            iterable, self._specials_re, self._max_special_len, STREAM_PIECE_CHARS
+        )
+        for piece in pieces:
             yield from self.encode(piece)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:

@@ -18,7 +18,7 @@ from tokenizer.base import Tokenizer, normalize_specials
 from tokenizer.bpe_train import train_merges
 from tokenizer.errors import UsageError
 from tokenizer.gpt2_files import read_gpt2_files, read_tiktoken_file, write_gpt2_files
-from tokenizer.pretokenize import compile_pattern, compile_specials, count_chunks, split_specials
+from tokenizer.pretokenize import compile_pattern, count_chunks
 
 _SINGLE_BYTES = [bytes([b]) for b in range(256)]
 _NO_RANK = 1 << 62  # above every merge rank; an int compares faster than inf
@@ -47,7 +47,7 @@ class BPETokenizer(Tokenizer):
         self.special_tokens = dict(special_tokens or {})
         self._split_re = compile_pattern(pattern)
         self.pattern = self._split_re.pattern
-        self._specials_re = compile_specials(self.special_tokens)
+        self._set_specials()
         for text, idx in self.special_tokens.items():
             if self.vocab.get(idx) != text.encode("utf-8"):
                 raise UsageError(f"special token {text!r} has id {idx}, which is not that token")
@@ -151,29 +151,19 @@ class BPETokenizer(Tokenizer):
         write_gpt2_files(self.vocab, self.merges, self.special_tokens, vocab_json, merges_txt)
 
     # --- encoding ---------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text`; special tokens in it are split out first (longest match first).
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Ids of `text` with special tokens treated as plain text.
 
         >>> tok = BPETokenizer.train("aaab" * 10, vocab_size=258, special_tokens=["<s>"])
-        >>> tok.encode("aab<s>")
-        [256, 98, 257]
+        >>> tok.encode("aab<s>"), tok.encode_ordinary("aab")
+        ([256, 98, 257], [256, 98])
         """
-        if self._specials_re is None:
-            return self.encode_ordinary(text)
-        out: list[int] = []
-        for i, segment in enumerate(split_specials(text, self._specials_re)):
-            if i % 2:
-                out.append(self.special_tokens[segment])
-            elif segment:
-                out.extend(self.encode_ordinary(segment))
-        return out
-
-    def encode_ordinary(self, text: str) -> list[int]:
-        """Ids of `text` with special tokens treated as plain text."""
         # findall (one C call) beats finditer; the cache computes a missing chunk itself
         # (__missing__), so the lookups and the flattening all run in C.
         chunks = self._split_re.findall(text)
         return list(chain.from_iterable(map(self._cache.__getitem__, chunks)))
+
+    _encode_ordinary = encode_ordinary  # what Tokenizer.encode calls between special tokens
 
     def _encode_chunk(self, chunk: str) -> tuple[int, ...]:
         """BPE of one chunk: repeatedly merge the leftmost adjacent pair of lowest merge rank.

@@ -40,7 +40,7 @@ class CharTokenizer(Tokenizer):
                 raise UsageError(f"special token {text!r}: id {idx} is already a character")
             self.vocab[idx] = text.encode("utf-8")
         self.merges: list[tuple[bytes, bytes]] = []
-        self._specials_re = compile_specials(self.special_tokens)
+        self._set_specials()
 
     @classmethod
     def train(
@@ -73,19 +73,8 @@ class CharTokenizer(Tokenizer):
         chars = sorted(seen)
         return cls(chars, {s: len(chars) + k for k, s in enumerate(specials)})
 
-    def encode(self, text: str) -> list[int]:
-        """One id per character; special tokens in the text are single ids."""
-        if self._specials_re is None:
-            return self._encode_chars(text)
-        out: list[int] = []
-        for i, segment in enumerate(split_specials(text, self._specials_re)):
-            if i % 2:
-                out.append(self.special_tokens[segment])
-            else:
-                out.extend(self._encode_chars(segment))
-        return out
-
-    def _encode_chars(self, text: str) -> list[int]:
+    def _encode_ordinary(self, text: str) -> list[int]:
+        """One id per character."""
         stoi = self._stoi
         try:
             return [stoi[c] for c in text]

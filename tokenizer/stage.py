@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,17 +23,17 @@ def corpus_for(cfg: Config) -> Corpus:
     return load_corpus(d.input, d.dataset, d.dataset_config, d.split, d.text_field)
 
 
-def build_tokenizer(cfg: Config, corpus: Corpus, progress: bool = True):
-    """Train (bpe, char) or load (gpt2) the tokenizer the config asks for."""
+def build_tokenizer(cfg: Config, texts: Iterable[str], progress: bool = True):
+    """Train (bpe, char) on `texts` or load (gpt2) the tokenizer the config asks for."""
     from tokenizer import BPETokenizer, CharTokenizer
 
     tok = cfg.tokenizer
     if tok.kind == "gpt2":
         return load_gpt2(tok.gpt2_files, tok.special_tokens)
     if tok.kind == "char":
-        return CharTokenizer.train(corpus.iter_texts(), special_tokens=tok.special_tokens)
+        return CharTokenizer.train(texts, special_tokens=tok.special_tokens)
     return BPETokenizer.train(
-        corpus.iter_texts(),
+        texts,
         vocab_size=tok.vocab_size,
         special_tokens=tok.special_tokens,
         pattern=tok.pattern,
@@ -70,10 +71,12 @@ def run_tokenize(cfg: Config, run_dir: Path) -> dict:
     corpus = corpus_for(cfg)
     start = time.perf_counter()
     print(f"tokenize: {cfg.tokenizer.kind} tokenizer on {corpus.name}", file=sys.stderr)
-    tokenizer = build_tokenizer(cfg, corpus, progress=True)
+    head: list[str] = []  # the corpus's first characters, kept as training reads them
+    tokenizer = build_tokenizer(cfg, _keep_head(corpus.iter_texts(), head), progress=True)
     seconds = time.perf_counter() - start
 
-    sample = _head(corpus, SUMMARY_SAMPLE_CHARS)
+    # gpt2 reads no corpus to build: read the head for the summary now.
+    sample = "".join(head) if head else _head(corpus.iter_texts(), SUMMARY_SAMPLE_CHARS)
     n_bytes = len(sample.encode("utf-8"))
     n_tokens = max(tokenizer.count_tokens(sample), 1)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -95,9 +98,19 @@ def run_tokenize(cfg: Config, run_dir: Path) -> dict:
     return summary
 
 
-def _head(corpus: Corpus, limit: int) -> str:
+def _keep_head(texts: Iterable[str], head: list[str]) -> Iterator[str]:
+    """Pass `texts` through, appending their first SUMMARY_SAMPLE_CHARS characters to head."""
+    size = 0
+    for piece in texts:
+        if size < SUMMARY_SAMPLE_CHARS:
+            head.append(piece[: SUMMARY_SAMPLE_CHARS - size])
+            size += len(head[-1])
+        yield piece
+
+
+def _head(texts: Iterable[str], limit: int) -> str:
     parts, size = [], 0
-    for piece in corpus.iter_texts():
+    for piece in texts:
         parts.append(piece[: limit - size])
         size += len(parts[-1])
         if size >= limit:
