@@ -3,7 +3,6 @@ checkpoint (sizes, exact round trip), PTQ and QAT through the real stages, and o
 from scripts/quantize.py."""
 
 import importlib.util
-import json
 import shutil
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import pytest
 from flax import nnx
 
 import tinyllm
-from configs.schema import load_config
 from model.metrics import read_metrics
 from model.quant import (
     dequantize,
@@ -36,22 +34,11 @@ from model.quant_checkpoint import (
 )
 from model.train import cross_entropy, run_train
 from tests.tiny_models import forward, random_tokens, tiny_model
+from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
 from tokenizer.errors import UsageError
 from tokenizer.stage import run_tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.n_embd=32",
-    "model.block_size=16",
-    "train.batch_size=4",
-    "train.warmup_steps=2",
-    "train.log_interval=1",
-    "train.eval_interval=4",
-    "train.eval_steps=2",
-    "train.learning_rate=3e-3",
-]
 
 _spec = importlib.util.spec_from_file_location("quantize_script", ROOT / "scripts/quantize.py")
 quantize_script = importlib.util.module_from_spec(_spec)
@@ -235,16 +222,11 @@ def test_read_rejects_files_that_are_not_quantized_checkpoints(tmp_path):
 
 @pytest.fixture(scope="module")
 def corpus_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "tiny.txt"
-    rng = np.random.default_rng(0)
-    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis"]
-    path.write_text("\n".join(" ".join(rng.choice(words, size=8)) for _ in range(300)) + "\n")
-    return path
+    return write_word_corpus(tmp_path_factory.mktemp("corpus") / "tiny.txt", 300)
 
 
 def tiny_config(corpus_file, *extra):
-    overrides = [f"data.input={json.dumps([str(corpus_file)])}", *TINY, *extra]
-    return load_config(ROOT / "configs" / "shakespeare_char.toml", overrides)
+    return tiny_run_config(corpus_file, TINY_TRAIN, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -10,42 +10,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from configs.schema import load_config
 from model.checkpoint import Checkpoints
 from model.metrics import read_metrics
 from model.train import Trainer, model_config_for, run_train
+from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
 from tokenizer.errors import TrainingDiverged, UsageError
 from tokenizer.stage import run_tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.n_embd=32",
-    "model.block_size=16",
-    "train.batch_size=4",
-    "train.warmup_steps=2",
-    "train.lr_decay_steps=8",
-    "train.log_interval=1",
-    "train.eval_interval=4",
-    "train.eval_steps=2",
-    "train.learning_rate=3e-3",
-]
+TINY = [*TINY_TRAIN, "train.lr_decay_steps=8"]
 
 
 @pytest.fixture(scope="module")
 def corpus_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "tiny.txt"
-    rng = np.random.default_rng(0)
-    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis"]
-    lines = [" ".join(rng.choice(words, size=8)) for _ in range(400)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_word_corpus(tmp_path_factory.mktemp("corpus") / "tiny.txt", 400)
 
 
 def tiny_config(corpus_file, *extra):
-    overrides = [f"data.input={json.dumps([str(corpus_file)])}", *TINY, *extra]
-    return load_config(ROOT / "configs" / "shakespeare_char.toml", overrides)
+    return tiny_run_config(corpus_file, TINY, *extra)
 
 
 def tokenized_run(tmp_path, corpus_file, *extra):

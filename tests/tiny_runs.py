@@ -1,0 +1,40 @@
+"""Tiny training runs for stage tests: config overrides, a word corpus, a config builder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from configs.schema import Config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A one-layer model on 16-token windows, evaluated and logged often: steps take milliseconds.
+TINY_TRAIN = [
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=16",
+    "train.batch_size=4",
+    "train.warmup_steps=2",
+    "train.log_interval=1",
+    "train.eval_interval=4",
+    "train.eval_steps=2",
+    "train.learning_rate=3e-3",
+]
+
+
+def write_word_corpus(path: Path, n_lines: int) -> Path:
+    """n_lines of 8 words drawn (seed 0) from a 10-word vocabulary."""
+    rng = np.random.default_rng(0)
+    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis"]
+    path.write_text("\n".join(" ".join(rng.choice(words, size=8)) for _ in range(n_lines)) + "\n")
+    return path
+
+
+def tiny_run_config(corpus_file: Path, overrides: list[str], *extra: str) -> Config:
+    """The char config on `corpus_file` with `overrides`, then `extra`."""
+    data = f"data.input={json.dumps([str(corpus_file)])}"
+    return load_config(ROOT / "configs" / "shakespeare_char.toml", [data, *overrides, *extra])
