@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.activations import gelu_exact
 from model.config import ModelConfig
 from model.moe import MoEMLP, is_moe_layer
 
@@ -77,7 +78,7 @@ class GeluMLP(nnx.Module):
     def __call__(
         self, x_BxTxD: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        h_BxTxF = jax.nn.gelu(self.c_fc(x_BxTxD), approximate=False)
+        h_BxTxF = gelu_exact(self.c_fc(x_BxTxD))
         y_BxTxD = self.dropout(self.c_proj(h_BxTxF), deterministic=deterministic, rngs=rngs)
         return y_BxTxD, {}
 

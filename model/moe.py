@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.activations import gelu_exact
 from model.config import ModelConfig
 
 # Parameters whose leading axis indexes experts: model.parallel shards them over devices.
@@ -228,6 +229,6 @@ class MoEMLP(nnx.Module):
             gate_ExCxF = project("expert_gate", x_ExCxD, "ecd,edf->ecf")
             h_ExCxF = jax.nn.silu(gate_ExCxF) * project("expert_up", x_ExCxD, "ecd,edf->ecf")
         else:
-            h_ExCxF = jax.nn.gelu(project("expert_fc", x_ExCxD, "ecd,edf->ecf"), approximate=False)
+            h_ExCxF = gelu_exact(project("expert_fc", x_ExCxD, "ecd,edf->ecf"))
         y_ExCxD = project("expert_proj", h_ExCxF, "ecf,efd->ecd")
         return y_ExCxD

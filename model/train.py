@@ -47,11 +47,16 @@ from tokenizer.stage import TOKENIZER_FILE, corpus_for
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in nats (fp32 logits)."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxTxV.astype(jnp.float32), targets_BxT
-    )
-    return losses.mean()
+    """Mean next-token cross-entropy in nats (fp32 logits): logsumexp minus the target logit.
+
+    The target logit is picked with a one-hot product rather than an indexed gather, so the
+    gradient is softmax - one_hot with no scatter (a scatter is slow on XLA:CPU; the values
+    are optax.softmax_cross_entropy_with_integer_labels' to float32 rounding, tested).
+    """
+    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+    one_hot_BxTxV = jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)
+    target_BxT = jnp.sum(logits_BxTxV * one_hot_BxTxV, axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits_BxTxV, axis=-1) - target_BxT)
 
 
 def model_config_for(cfg: Config, vocab_size: int) -> ModelConfig:

@@ -204,3 +204,16 @@ def test_valid_config_passes_and_moe_replaces_every_kth_mlp():
     model = abstract(n_layer=4, moe_experts=4, moe_top_k=2, moe_every=2)
     kinds = [type(block.mlp).__name__ for block in model.blocks]
     assert kinds == ["GeluMLP", "MoEMLP", "GeluMLP", "MoEMLP"]
+
+
+def test_gelu_matches_jax_exact_gelu_in_value_and_gradient():
+    # gelu_exact is the erf form (as torch's nn.GELU), chosen for speed on XLA:CPU; it must
+    # stay the exact GELU, not the tanh approximation (which differs by up to ~5e-4).
+    from model.activations import gelu_exact
+
+    x = jnp.linspace(-8.0, 8.0, 4001, dtype=jnp.float32)
+    np.testing.assert_allclose(gelu_exact(x), jax.nn.gelu(x, approximate=False), rtol=0, atol=2e-6)
+    assert float(jnp.abs(gelu_exact(x) - jax.nn.gelu(x, approximate=True)).max()) > 1e-4
+    grad = jax.vmap(jax.grad(gelu_exact))(x)
+    grad_ref = jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=False)))(x)
+    np.testing.assert_allclose(grad, grad_ref, rtol=0, atol=2e-6)

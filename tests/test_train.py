@@ -179,3 +179,22 @@ def test_trains_from_a_local_dataset_through_the_hf_loader(tmp_path, corpus_file
     meta = json.loads((run_dir / "tokens" / "meta.json").read_text())
     assert meta["key"]["corpus"].startswith("dataset:")
     assert meta["n_chars"] == len("\n\n".join(lines))
+
+
+def test_cross_entropy_matches_optax_in_value_and_gradient():
+    import jax
+    import optax
+
+    from model.train import cross_entropy
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    logits = 4.0 * jax.random.normal(k1, (3, 7, 65))
+    targets = jax.random.randint(k2, (3, 7), 0, 65)
+
+    def reference(lg):
+        return optax.softmax_cross_entropy_with_integer_labels(lg, targets).mean()
+
+    np.testing.assert_allclose(cross_entropy(logits, targets), reference(logits), rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.grad(cross_entropy)(logits, targets), jax.grad(reference)(logits), atol=1e-7
+    )
