@@ -167,6 +167,12 @@ def run(args: argparse.Namespace) -> int:
     if args.no_kv_cache:
         cfg.sample.kv_cache = False
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
+    if args.train:
+        from model.cpu_devices import configure_cpu_devices
+
+        # Before JAX starts its backend: on CPU, one device per core (data parallel).
+        t = cfg.train
+        configure_cpu_devices(t.cpu_devices, t.batch_size // t.grad_accum)
     if args.train or args.inference:
         enable_compilation_cache()
 

@@ -64,6 +64,7 @@ class TrainConfig:
     qat_bits: int = 0  # quantization-aware training: 0 = off, 8 or 4
     quant_group_size: int = 64  # int4: input rows per scale (QAT, export); last group may be short
     fsdp: bool = False  # shard parameters over the data axis too (ZeRO-3 style)
+    cpu_devices: int = 0  # on CPU: data-parallel devices, 0 = one per core (model/cpu_devices.py)
 
 
 @dataclass
@@ -227,6 +228,7 @@ def validate(cfg: Config) -> None:
         "train.weight_decay": t.weight_decay,
         "train.grad_clip": t.grad_clip,
         "train.checkpoint_interval": t.checkpoint_interval,
+        "train.cpu_devices": t.cpu_devices,
         "train.min_lr": t.min_lr,
         "sample.top_k": cfg.sample.top_k,
         "sample.temperature": cfg.sample.temperature,
@@ -240,6 +242,11 @@ def validate(cfg: Config) -> None:
         raise UsageError(
             f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum "
             f"({t.grad_accum})"
+        )
+    if t.cpu_devices and (t.batch_size // t.grad_accum) % t.cpu_devices:
+        raise UsageError(
+            f"train.cpu_devices ({t.cpu_devices}) must divide the micro-batch "
+            f"(train.batch_size / train.grad_accum = {t.batch_size // t.grad_accum})"
         )
     if t.qat_bits not in (0, 4, 8):
         raise UsageError(f"train.qat_bits must be 0 (off), 8 or 4, got {t.qat_bits}")

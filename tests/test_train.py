@@ -198,3 +198,61 @@ def test_cross_entropy_matches_optax_in_value_and_gradient():
     np.testing.assert_allclose(
         jax.grad(cross_entropy)(logits, targets), jax.grad(reference)(logits), atol=1e-7
     )
+
+
+def test_cpu_device_count_divides_the_micro_batch():
+    from model.cpu_devices import cpu_device_count
+
+    assert cpu_device_count(0, micro_batch=12, cores=2) == 2
+    assert cpu_device_count(0, micro_batch=12, cores=8) == 6
+    assert cpu_device_count(0, micro_batch=7, cores=4) == 1
+    assert cpu_device_count(3, micro_batch=12, cores=2) == 3  # an explicit count wins
+    with pytest.raises(UsageError, match="must divide the micro-batch"):
+        cpu_device_count(5, micro_batch=12, cores=8)
+
+
+def test_configure_cpu_devices_leaves_a_users_count_alone(monkeypatch):
+    from model.cpu_devices import configure_cpu_devices
+
+    mine = "--xla_force_host_platform_device_count=4"
+    monkeypatch.setenv("XLA_FLAGS", mine)
+    assert configure_cpu_devices(2, 12) is None and os.environ["XLA_FLAGS"] == mine
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    assert configure_cpu_devices(2, 12) == 2
+    assert os.environ["XLA_FLAGS"] == (
+        "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=2"
+    )
+    monkeypatch.delenv("XLA_FLAGS")
+    assert configure_cpu_devices(1, 12) is None and "XLA_FLAGS" not in os.environ
+
+
+def test_cli_trains_data_parallel_over_cpu_devices_with_the_same_losses(tmp_path, corpus_file):
+    """--train exposes one CPU device per core (here 2, asked for explicitly so that the test
+    does not depend on the machine) and gets the single-device losses."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    losses = {}
+    for devices in (1, 2):
+        out = tmp_path / f"run{devices}"
+        cmd = [
+            sys.executable,
+            str(ROOT / "tinyllm.py"),
+            "--tokenize",
+            "--train",
+            "--config",
+            str(ROOT / "configs" / "shakespeare_char.toml"),
+            "--input",
+            str(corpus_file),
+            "--out",
+            str(out),
+            *TINY,
+            "train.max_steps=8",
+            f"train.cpu_devices={devices}",
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"{devices} x cpu" in proc.stderr
+        losses[devices] = train_losses(out)
+    assert sorted(losses[2]) == list(range(1, 9))
+    np.testing.assert_allclose(
+        [losses[2][s] for s in range(1, 9)], [losses[1][s] for s in range(1, 9)], rtol=2e-5
+    )
