@@ -13,6 +13,12 @@ iterations, warmup 100 + cosine 1e-3 -> 1e-4, evaluation every 250 iterations on
 and prints the final validation loss, for comparing loss distributions across seeds:
 
     python scripts/torch_reference.py --full ../shared/data/tinyshakespeare.txt --seed 1337
+
+With --eval-nanogpt CKPT it scores a checkpoint written by nanoGPT's own train.py (its
+ckpt.pt, for this character setup) on every non-overlapping window of the validation split
+of --full's text, the windows that scripts/eval_split.py scores a tinyllm run on:
+
+    python scripts/torch_reference.py --eval-nanogpt out/ckpt.pt --full tinyshakespeare.txt
 """
 
 from __future__ import annotations
@@ -151,6 +157,60 @@ def full_run(a: argparse.Namespace) -> None:
     )
 
 
+def char_splits(path: str) -> tuple[dict[str, int], torch.Tensor, torch.Tensor]:
+    """nanoGPT's character vocabulary (sorted set) and tinyllm's split: the last
+    int(0.1 * n) tokens are validation (nanoGPT's prepare.py gives val one more character)."""
+    text = Path(path).read_text(encoding="utf-8")
+    stoi = {c: i for i, c in enumerate(sorted(set(text)))}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    n_val = int(0.1 * len(data))
+    return stoi, data[: len(data) - n_val], data[len(data) - n_val :]
+
+
+def nanogpt_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """nanoGPT's parameter names -> this file's GPT (same tensors, shorter names)."""
+    out = {}
+    for name, tensor in state.items():
+        name = name.removeprefix("_orig_mod.").removeprefix("transformer.")
+        name = name.replace("h.", "blocks.", 1) if name.startswith("h.") else name
+        name = name.replace(".attn.", ".").replace(".mlp.c_fc.", ".fc.")
+        name = name.replace(".mlp.c_proj.", ".proj.").replace("lm_head.", "head.")
+        out[name] = tensor
+    return out
+
+
+def eval_nanogpt(a: argparse.Namespace) -> None:
+    """A nanoGPT checkpoint scored on every non-overlapping validation window; one JSON line."""
+    ckpt = torch.load(a.eval_nanogpt, map_location="cpu", weights_only=True)
+    m = ckpt["model_args"]
+    if m.get("bias"):
+        raise SystemExit("torch_reference: error: only bias=False checkpoints (nanoGPT's default)")
+    _, _, val = char_splits(a.full)
+    model = GPT(m["vocab_size"], m["block_size"], m["n_layer"], m["n_head"], m["n_embd"])
+    model.load_state_dict(nanogpt_state_dict(ckpt["model"]))
+    model.eval()
+    t = m["block_size"]
+    starts = range(0, len(val) - t, t)
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, len(starts), 64):
+            rows = starts[i : i + 64]
+            x = torch.stack([val[o : o + t] for o in rows])
+            y = torch.stack([val[o + 1 : o + 1 + t] for o in rows])
+            total += model(x, y).item() * len(rows)
+    print(
+        json.dumps(
+            {
+                "checkpoint": a.eval_nanogpt,
+                "iter_num": ckpt.get("iter_num"),
+                "windows": len(starts),
+                "val_loss_all_windows": round(total / len(starts), 4),
+                "val_loss_logged": round(float(ckpt.get("best_val_loss", float("nan"))), 4),
+            }
+        )
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--vocab", type=int, default=65)
@@ -164,7 +224,12 @@ def main() -> None:
     p.add_argument("--full", metavar="TEXT_FILE", help="train nanoGPT's whole CPU baseline")
     p.add_argument("--max-iters", type=int, default=2000)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--eval-nanogpt", metavar="CKPT", help="score nanoGPT's ckpt.pt (needs --full)")
     a = p.parse_args()
+    if a.eval_nanogpt:
+        if not a.full:
+            p.error("--eval-nanogpt needs --full TEXT_FILE (the text it was trained on)")
+        return eval_nanogpt(a)
     if a.full:
         return full_run(a)
     torch.manual_seed(0)
