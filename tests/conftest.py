@@ -1,0 +1,18 @@
+"""Test-session setup: one XLA CPU device in this process unless the environment says more.
+
+`tinyllm.py --train` exposes one CPU device per core (model/cpu_devices.py) by setting
+XLA_FLAGS before JAX starts. Tests that call the CLI in-process would otherwise leave that
+flag behind, and whichever test first touches JAX would fix this process's device count by
+test order. Pinning the count here keeps in-process tests on one device; the multi-device
+tests set their own count in subprocesses.
+"""
+
+from __future__ import annotations
+
+import os
+
+from model.cpu_devices import DEVICE_COUNT_FLAG
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if DEVICE_COUNT_FLAG not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} {DEVICE_COUNT_FLAG}=1".strip()
