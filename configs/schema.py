@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from model.config import ModelConfig
+from model.cpu_devices import check_cpu_devices
 from tokenizer.errors import UsageError
 
 
@@ -228,7 +229,6 @@ def validate(cfg: Config) -> None:
         "train.weight_decay": t.weight_decay,
         "train.grad_clip": t.grad_clip,
         "train.checkpoint_interval": t.checkpoint_interval,
-        "train.cpu_devices": t.cpu_devices,
         "train.min_lr": t.min_lr,
         "sample.top_k": cfg.sample.top_k,
         "sample.temperature": cfg.sample.temperature,
@@ -243,11 +243,7 @@ def validate(cfg: Config) -> None:
             f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum "
             f"({t.grad_accum})"
         )
-    if t.cpu_devices and (t.batch_size // t.grad_accum) % t.cpu_devices:
-        raise UsageError(
-            f"train.cpu_devices ({t.cpu_devices}) must divide the micro-batch "
-            f"(train.batch_size / train.grad_accum = {t.batch_size // t.grad_accum})"
-        )
+    check_cpu_devices(t.cpu_devices, t.batch_size // t.grad_accum)
     if t.qat_bits not in (0, 4, 8):
         raise UsageError(f"train.qat_bits must be 0 (off), 8 or 4, got {t.qat_bits}")
     if not 0 < cfg.sample.top_p <= 1:

@@ -30,16 +30,21 @@ def cpu_device_count(requested: int, micro_batch: int, cores: int) -> int:
     >>> cpu_device_count(0, micro_batch=7, cores=4), cpu_device_count(1, 12, cores=2)
     (1, 1)
     """
-    if requested < 0:
-        raise UsageError(f"train.cpu_devices must be >= 0 (0 = one per core), got {requested}")
+    check_cpu_devices(requested, micro_batch)
     if requested:
-        if micro_batch % requested:
-            raise UsageError(
-                f"train.cpu_devices={requested} must divide the micro-batch "
-                f"(train.batch_size / train.grad_accum = {micro_batch})"
-            )
         return requested
     return max(n for n in range(1, max(cores, 1) + 1) if micro_batch % n == 0)
+
+
+def check_cpu_devices(requested: int, micro_batch: int) -> None:
+    """train.cpu_devices is 0 (auto) or a count that divides the micro-batch (UsageError)."""
+    if requested < 0:
+        raise UsageError(f"train.cpu_devices must be >= 0 (0 = one per core), got {requested}")
+    if requested and micro_batch % requested:
+        raise UsageError(
+            f"train.cpu_devices ({requested}) must divide the micro-batch "
+            f"(train.batch_size / train.grad_accum = {micro_batch})"
+        )
 
 
 def configure_cpu_devices(requested: int, micro_batch: int) -> int | None:

@@ -59,6 +59,30 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(logits_BxTxV, axis=-1) - target_BxT)
 
 
+def evaluate_windows(model: GPT, tokens: np.ndarray, rows: int = 64) -> float:
+    """Mean loss of `model` over every non-overlapping block_size window of `tokens`, in order.
+
+    Deterministic and exact where `Trainer.evaluate` samples `eval_steps` random batches (as
+    nanoGPT's estimate_loss does): for comparing runs whose sampled figures differ by noise.
+    """
+    t = model.cfg.block_size
+    starts = np.arange(0, len(tokens) - t, t)
+    if len(starts) == 0:
+        raise UsageError(f"{len(tokens)} tokens hold no window of {t} + 1")
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def window_loss(state, x_BxT, y_BxT):
+        return cross_entropy(nnx.merge(graphdef, state)(x_BxT), y_BxT)
+
+    total = 0.0
+    for i in range(0, len(starts), rows):
+        windows = np.stack([tokens[o : o + t + 1] for o in starts[i : i + rows]])
+        x, y = (jnp.asarray(a, jnp.int32) for a in (windows[:, :-1], windows[:, 1:]))
+        total += float(window_loss(state, x, y)) * len(windows)
+    return total / len(starts)
+
+
 def model_config_for(cfg: Config, vocab_size: int) -> ModelConfig:
     return dataclasses.replace(cfg.model, vocab_size=vocab_size).validate()
 
@@ -161,23 +185,6 @@ class Trainer:
             x, y = self.batch(splits.val, i, stream=1, rows=self.micro_batch)
             total = total + self.eval_step(self.params, x[0], y[0])
         return float(total) / self.cfg.train.eval_steps
-
-    def evaluate_all(self, tokens: np.ndarray, rows: int = 64) -> float:
-        """Mean loss over every non-overlapping block_size window of `tokens`, in order.
-
-        Deterministic and exact where `evaluate` samples `eval_steps` random batches (as
-        nanoGPT's estimate_loss): for comparing runs whose sampled figures differ by noise.
-        """
-        t = self.model_cfg.block_size
-        starts = np.arange(0, len(tokens) - t, t)
-        if len(starts) == 0:
-            raise UsageError(f"{len(tokens)} tokens hold no window of {t} + 1")
-        total = 0.0
-        for i in range(0, len(starts), rows):
-            windows = np.stack([tokens[o : o + t + 1] for o in starts[i : i + rows]])
-            x, y = (jnp.asarray(a, jnp.int32) for a in (windows[:, :-1], windows[:, 1:]))
-            total += float(self.eval_step(self.params, x, y)) * len(windows)
-        return total / len(starts)
 
 
 def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:

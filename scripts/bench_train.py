@@ -49,14 +49,12 @@ NANOGPT_ARGS = [
 ]
 
 
-def time_tinyllm(steps: int, repeats: int) -> dict:
+def time_tinyllm(cfg, steps: int, repeats: int) -> dict:
     import jax
     import numpy as np
 
-    from configs.schema import load_config
     from model.train import Trainer, model_config_for
 
-    cfg = load_config(CONFIG)
     trainer = Trainer(cfg, model_config_for(cfg, 65))
     tokens = np.random.default_rng(0).integers(0, 65, 1_000_000).astype(np.uint16)
 
@@ -164,9 +162,10 @@ def main() -> None:
     from configs.schema import load_config
     from model.cpu_devices import configure_cpu_devices
 
-    t = load_config(CONFIG).train
+    cfg = load_config(CONFIG)
+    t = cfg.train
     configure_cpu_devices(t.cpu_devices, t.batch_size // t.grad_accum)
-    ours = time_tinyllm(a.steps, a.repeats)
+    ours = time_tinyllm(cfg, a.steps, a.repeats)
     peer = time_peer(a.torch_python, a.steps, a.repeats)
     nano = run_nanogpt(a.torch_python, a.nanogpt_dir, a.nanogpt_iters) if a.nanogpt_dir else None
     print("\n| implementation | ms/step (median) | tokens/s | vs peer |")

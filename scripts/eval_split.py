@@ -32,32 +32,25 @@ class _OneLineParser(argparse.ArgumentParser):
 def evaluate_run(run_dir: Path, rows: int) -> dict:
     """Latest checkpoint of `run_dir` scored on every validation window; one result dict."""
     from configs.schema import config_from_dict
-    from model.checkpoint import Checkpoints
     from model.data import load_token_splits
     from model.metrics import bits_per_byte, read_metrics
-    from model.run_dir import CONFIG_FILE
-    from model.train import Trainer, model_config_for
+    from model.quant_checkpoint import load_float_model
+    from model.run_dir import has_checkpoint
+    from model.train import evaluate_windows
     from tokenizer import load_tokenizer
     from tokenizer.errors import UsageError
     from tokenizer.stage import TOKENIZER_FILE, corpus_for
 
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise UsageError(f"{run_dir} is not a trained run (no {CONFIG_FILE}): train it first")
-    cfg = config_from_dict(json.loads((run_dir / CONFIG_FILE).read_text()))
+    if not has_checkpoint(run_dir):
+        raise UsageError(f"no checkpoint in {run_dir}: train it first")
+    model, meta = load_float_model(run_dir)
+    cfg = config_from_dict(meta["config"])
     tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
     splits = load_token_splits(
         corpus_for(cfg), tokenizer, run_dir / TOKENIZER_FILE, run_dir, cfg.data.val_fraction
     )
-    trainer = Trainer(cfg, model_config_for(cfg, tokenizer.vocab_size))
-    checkpoints = Checkpoints(run_dir)
-    try:
-        step = checkpoints.latest_step()
-        if step is None:
-            raise UsageError(f"no checkpoint in {run_dir}: train it first")
-        trainer.params, _, _ = checkpoints.restore(step, trainer.params)
-    finally:
-        checkpoints.close()
-    loss = trainer.evaluate_all(splits.val, rows)
+    loss = evaluate_windows(model, splits.val, rows)
+    step = meta["step"]
     metrics = read_metrics(run_dir)
     logged = [m["val_loss"] for m in metrics if m.get("step") == step and "val_loss" in m]
     return {

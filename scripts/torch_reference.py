@@ -101,9 +101,7 @@ def nanogpt_lr(it: int, warmup: int = 100, decay_iters: int = 2000) -> float:
 
 def full_run(a: argparse.Namespace) -> None:
     """nanoGPT's train.py loop for its CPU baseline, on a text file; prints one JSON line."""
-    text = Path(a.full).read_text(encoding="utf-8")
-    stoi = {c: i for i, c in enumerate(sorted(set(text)))}
-    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    stoi, data = char_ids(a.full)
     n = int(0.9 * len(data))
     splits = {"train": data[:n], "val": data[n:]}
     torch.manual_seed(a.seed)
@@ -157,14 +155,18 @@ def full_run(a: argparse.Namespace) -> None:
     )
 
 
-def char_splits(path: str) -> tuple[dict[str, int], torch.Tensor, torch.Tensor]:
-    """nanoGPT's character vocabulary (sorted set) and tinyllm's split: the last
-    int(0.1 * n) tokens are validation (nanoGPT's prepare.py gives val one more character)."""
+def char_ids(path: str) -> tuple[dict[str, int], torch.Tensor]:
+    """nanoGPT's character vocabulary (the sorted set of characters) and the text's ids."""
     text = Path(path).read_text(encoding="utf-8")
     stoi = {c: i for i, c in enumerate(sorted(set(text)))}
-    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    n_val = int(0.1 * len(data))
-    return stoi, data[: len(data) - n_val], data[len(data) - n_val :]
+    return stoi, torch.tensor([stoi[c] for c in text], dtype=torch.long)
+
+
+def tinyllm_val_split(path: str) -> torch.Tensor:
+    """tinyllm's validation split of the text's ids: the last int(0.1 * n) (nanoGPT's
+    prepare.py gives validation one more character)."""
+    _, data = char_ids(path)
+    return data[len(data) - int(0.1 * len(data)) :]
 
 
 def nanogpt_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -185,7 +187,7 @@ def eval_nanogpt(a: argparse.Namespace) -> None:
     m = ckpt["model_args"]
     if m.get("bias"):
         raise SystemExit("torch_reference: error: only bias=False checkpoints (nanoGPT's default)")
-    _, _, val = char_splits(a.full)
+    val = tinyllm_val_split(a.full)
     model = GPT(m["vocab_size"], m["block_size"], m["n_layer"], m["n_head"], m["n_embd"])
     model.load_state_dict(nanogpt_state_dict(ckpt["model"]))
     model.eval()

@@ -256,3 +256,21 @@ def test_cli_trains_data_parallel_over_cpu_devices_with_the_same_losses(tmp_path
     np.testing.assert_allclose(
         [losses[2][s] for s in range(1, 9)], [losses[1][s] for s in range(1, 9)], rtol=2e-5
     )
+
+
+def test_evaluate_windows_scores_every_window_once():
+    """The whole-split score is the mean loss over the consecutive block_size windows."""
+    import jax.numpy as jnp
+
+    from model.train import cross_entropy, evaluate_windows
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model()
+    tokens = np.random.default_rng(0).integers(0, 64, 16 * 7 + 5).astype(np.uint16)
+    windows = np.stack([tokens[o : o + 17] for o in range(0, len(tokens) - 16, 16)])
+    assert len(windows) == 7
+    x, y = (jnp.asarray(a, jnp.int32) for a in (windows[:, :-1], windows[:, 1:]))
+    expected = float(cross_entropy(model(x), y))
+    np.testing.assert_allclose(evaluate_windows(model, tokens, rows=3), expected, rtol=1e-5)
+    with pytest.raises(UsageError, match="no window"):
+        evaluate_windows(model, tokens[:16])
