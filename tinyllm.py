@@ -14,6 +14,7 @@ config values by dotted name. User mistakes print one line on stderr and exit wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -121,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
     # Imported late so that --help and flag errors answer at once, without loading JAX.
+    from model.interrupts import Stopped, raise_on_sigterm
     from tokenizer.errors import TrainingDiverged, UsageError
 
+    raise_on_sigterm()  # SIGTERM unwinds like Ctrl-C: temp files are removed on the way out
     try:
         return run(args)
     except UsageError as err:
@@ -133,8 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as err:
         sys.stderr.write(f"tinyllm: {err}\n")
         return 1
+    except Stopped as stop:
+        sys.stderr.write(f"\ntinyllm: {stop.message}\n")
+        return stop.exit_code
     except KeyboardInterrupt:
-        sys.stderr.write("tinyllm: interrupted\n")
+        sys.stderr.write("\ntinyllm: interrupted\n")
         return 130
 
 
@@ -176,6 +182,23 @@ def run(args: argparse.Namespace) -> int:
     if args.train or args.inference:
         enable_compilation_cache()
 
+    writes = args.tokenize or args.train
+    with run_dir_lock(run_dir) if writes else contextlib.nullcontext():
+        run_stages(args, cfg, run_dir)
+    return 0
+
+
+def run_dir_lock(run_dir: Path):
+    """The one-writer lock of a run directory (model.run_lock). With several processes
+    (multi-host training) only process 0 writes the run directory, so only it locks."""
+    from model.run_lock import RunLock
+
+    if os.environ.get("JAX_PROCESS_ID", "0").strip() not in ("", "0"):
+        return contextlib.nullcontext()
+    return RunLock(run_dir)
+
+
+def run_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
     if args.tokenize or args.train:
         from model.run_dir import check_run_dir
 
@@ -192,7 +215,6 @@ def run(args: argparse.Namespace) -> int:
         from model.inference_stage import run_inference
 
         run_inference(cfg, run_dir)
-    return 0
 
 
 if __name__ == "__main__":

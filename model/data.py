@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def load_token_splits(
     val_fraction: float,
     tokenizer_sha: str | None = None,
 ) -> TokenSplits:
-    """Encode the corpus into the cache if it is missing or stale, then memory-map it.
+    """Encode the corpus into the cache if it is missing, stale or damaged, then memory-map it.
     `tokenizer_sha` is the tokenizer file's hash when the caller has it already."""
     cache = run_dir / CACHE_DIR
     key = {
@@ -68,8 +69,14 @@ def load_token_splits(
     }
     meta_path = cache / "meta.json"
     meta = _read_meta(meta_path)
-    if meta is None or meta.get("key") != key:
+    problem = "" if meta is None else cache_problem(cache, meta, tokenizer.vocab_size)
+    if meta is not None and meta.get("key") == key and problem:
+        print(f"encode: the token cache in {cache} is damaged ({problem}): rebuilding it",
+              file=sys.stderr)  # fmt: skip
+    if meta is None or meta.get("key") != key or problem:
         meta = _build_cache(corpus, tokenizer, cache, key)
+        meta["crc32"] = file_crc32(cache / "tokens.bin")
+        write_atomic(meta_path, json.dumps(meta, indent=1))
     tokens = np.memmap(cache / "tokens.bin", dtype=meta["dtype"], mode="r")
     n = len(tokens)
     n_val = int(n * val_fraction)
@@ -79,6 +86,50 @@ def load_token_splits(
         )
     train, val = tokens[: n - n_val], tokens[n - n_val :]
     return TokenSplits(train=train, val=val, val_bytes=byte_count(tokenizer, val))
+
+
+def cache_problem(cache: Path, meta: dict, vocab_size: int) -> str:
+    """'' if the token cache is whole, else what is wrong with it: its dtype must be uint16
+    or uint32 (wide enough for the vocab), tokens.bin must hold exactly n_tokens of it, and
+    its CRC-32 must match the one recorded when it was built."""
+    dtype, n_tokens = meta.get("dtype"), meta.get("n_tokens")
+    if dtype not in ("uint16", "uint32"):
+        return f"dtype {dtype!r} is not uint16 or uint32"
+    if dtype == "uint16" and vocab_size > 1 << 16:
+        return f"uint16 cannot hold the {vocab_size} token ids"
+    if type(n_tokens) is not int or n_tokens <= 0:
+        return f"n_tokens {n_tokens!r} is not a positive integer"
+    path = cache / "tokens.bin"
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "tokens.bin is missing"
+    expected = n_tokens * np.dtype(dtype).itemsize
+    if size != expected:
+        return f"tokens.bin has {size:,} bytes, {n_tokens:,} {dtype} tokens need {expected:,}"
+    crc = meta.get("crc32")
+    if crc is not None and crc != file_crc32(path):
+        return "tokens.bin does not match its checksum"
+    return ""
+
+
+def file_crc32(path: Path) -> int:
+    """CRC-32 of a file, read in 16 MiB blocks (about 1 s per GB)."""
+    crc = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(16 << 20), b""):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def remove_cache_leftovers(run_dir: Path) -> None:
+    """Delete temp files a killed cache build left behind (the caller is the only writer)."""
+    cache = Path(run_dir) / CACHE_DIR
+    if cache.is_dir():
+        for path in cache.glob("tokens.bin.tmp*"):
+            path.unlink(missing_ok=True)
+        for path in cache.glob(".meta.json.*.tmp"):
+            path.unlink(missing_ok=True)
 
 
 def byte_count(tokenizer, ids: np.ndarray) -> int:
@@ -92,9 +143,10 @@ def byte_count(tokenizer, ids: np.ndarray) -> int:
 
 def _read_meta(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def _build_cache(corpus, tokenizer, cache: Path, key: dict) -> dict:

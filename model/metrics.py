@@ -54,14 +54,9 @@ class MetricsLog:
     def __init__(self, run_dir: Path, resume_step: int | None):
         self.path = Path(run_dir) / METRICS_FILE
         kept = []
-        if resume_step is not None and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= resume_step:
-                        kept.append(line + "\n")
-                except (ValueError, KeyError):
-                    continue
-        write_atomic(self.path, "".join(kept))
+        if resume_step is not None:
+            kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step]
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
 
     def write(self, record: dict) -> None:
@@ -73,10 +68,22 @@ class MetricsLog:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of metrics.jsonl; damaged lines (not UTF-8, not JSON, not an object with
+    an integer step, as a killed writer or a bad edit leaves) are skipped."""
     path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and type(record.get("step")) is int:
+            records.append(record)
+    return records
 
 
 class Progress:
@@ -109,6 +116,10 @@ class Progress:
         sys.stderr.write(("\r\033[K" if self.tty else "") + text + "\n")
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _clock(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 60}:{seconds % 60:02d}"
@@ -124,8 +135,8 @@ def plot_losses(run_dir: Path) -> Path | None:
     except ImportError:
         return None
     records = read_metrics(run_dir)
-    train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    train = [(r["step"], r["train_loss"]) for r in records if _is_number(r.get("train_loss"))]
+    val = [(r["step"], r["val_loss"]) for r in records if _is_number(r.get("val_loss"))]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train, strict=True), label="train", alpha=0.7)

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from configs.schema import config_from_dict
-from model.checkpoint import Checkpoints, has_checkpoint
+from model.checkpoint import CheckpointDamaged, Checkpoints, has_checkpoint
 from model.data import file_sha256
 from model.gpt import GPT
 from model.quant import (
@@ -227,11 +227,20 @@ def load_float_model(run_dir: Path) -> tuple[GPT, dict]:
 
 def _restore_float(run_dir: Path):
     checkpoints = Checkpoints(run_dir, read_only=True)
-    try:
-        step = checkpoints.latest_step()
+
+    def load(step: int):
         meta = checkpoints.read_meta(step)
-        graphdef, abstract, rest = _abstract_split(config_from_dict(meta["config"]).model)
+        try:
+            model_cfg = config_from_dict(meta["config"]).model
+            model_cfg.validate()
+        except UsageError as err:
+            raise CheckpointDamaged(f"its config is invalid ({err})") from None
+        graphdef, abstract, rest = _abstract_split(model_cfg)
         params, _, _ = checkpoints.restore(step, abstract)
+        return graphdef, params, rest, meta
+
+    try:
+        _, (graphdef, params, rest, meta) = checkpoints.restore_newest(load)
     finally:
         checkpoints.close()
     return graphdef, params, rest, meta

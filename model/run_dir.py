@@ -19,10 +19,20 @@ QUANT_FILE = "quantized.npz"  # a post-training-quantized checkpoint (model.quan
 CONFIG_FILE = "config.json"  # the resolved config of the run
 
 
-def has_checkpoint(run_dir: Path) -> bool:
-    """Whether a run directory holds a committed checkpoint (orbax names them by step)."""
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps of the committed checkpoints: orbax names each step's directory by its number
+    (a digit-named stray file is not a checkpoint; orbax's temp directories have suffixes)."""
     directory = Path(run_dir) / CHECKPOINT_DIR
-    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return []
+    return [int(p.name) for p in entries if p.name.isdigit() and p.is_dir()]
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether a run directory holds a committed checkpoint (intact or not: restoring checks)."""
+    return bool(checkpoint_steps(run_dir))
 
 
 def has_quantized_checkpoint(run_dir: Path) -> bool:

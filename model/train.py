@@ -22,11 +22,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-from configs.schema import Config, config_from_dict
-from model.checkpoint import Checkpoints
+from configs.schema import Config, DataConfig, config_from_dict
+from model.checkpoint import CheckpointDamaged, Checkpoints
 from model.config import ModelConfig
-from model.data import TokenSplits, file_sha256, load_token_splits, sample_batch
+from model.data import (
+    TokenSplits,
+    file_sha256,
+    load_token_splits,
+    remove_cache_leftovers,
+    sample_batch,
+)
 from model.gpt import GPT, count_params, flops_per_token
+from model.interrupts import Stopped, StopRequests
 from model.metrics import MetricsLog, Progress, bits_per_byte, peak_flops, plot_losses
 from model.optim import make_optimizer
 from model.parallel import (
@@ -188,7 +195,10 @@ class Trainer:
 
 
 def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
-    """Train the model of `cfg` on the run's tokenizer and corpus; returns the final metrics."""
+    """Train the model of `cfg` on the run's tokenizer and corpus; returns the final metrics.
+
+    The caller holds the run directory's lock (model.run_lock): this is its only writer.
+    """
     run_dir = Path(run_dir)
     tok_path = run_dir / TOKENIZER_FILE
     if not tok_path.is_file():
@@ -202,68 +212,90 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     tokenizer_sha = file_sha256(tok_path)
     model_cfg = model_config_for(cfg, tokenizer.vocab_size)
     checkpoints = Checkpoints(run_dir)
-    start_step = 0
-    if resume:
-        start_step = checkpoints.latest_step()
-        if start_step is None:
-            raise UsageError(f"--resume: no checkpoint in {run_dir}; train without --resume")
-        check_compatible(checkpoints.read_meta(start_step), model_cfg, tokenizer_sha)
-        if start_step >= cfg.train.max_steps:
-            raise UsageError(
-                f"--resume: the checkpoint is at step {start_step}, train.max_steps is "
-                f"{cfg.train.max_steps}; raise train.max_steps to train further"
-            )
-
-    splits = load_token_splits(
-        corpus_for(cfg), tokenizer, tok_path, run_dir, cfg.data.val_fraction, tokenizer_sha
-    )
-    trainer = Trainer(cfg, model_cfg)
-    if resume:
-        trainer.params, trainer.opt_state, _ = checkpoints.restore(
-            start_step, trainer.params, trainer.opt_state
-        )
-    resolved = _resolved(cfg, model_cfg)
-    _write_json(run_dir / CONFIG_FILE, resolved)
-    device = jax.devices()[0]
-    print(
-        f"train: {trainer.n_params / 1e6:.2f}M parameters, {len(splits.train):,} train / "
-        f"{len(splits.val):,} val tokens, {jax.device_count()} x {device.device_kind} "
-        f"({device.platform}), compute {model_cfg.dtype}"
-        + (f", QAT int{cfg.train.qat_bits}" if cfg.train.qat_bits else ""),
-        file=sys.stderr,
-    )
     try:
-        meta = {"config": resolved, "tokenizer_sha256": tokenizer_sha}
+        checkpoints.remove_leftovers()  # what a killed run left: orbax temp dirs
+        remove_cache_leftovers(run_dir)
+        saved = None
+        if resume:
+            saved = _newest_readable_meta(checkpoints, run_dir)
+            cfg = resumed_data_config(cfg, saved)
+            check_compatible(saved, model_cfg, tokenizer_sha)
+        corpus = corpus_for(cfg)
+        if saved is not None:
+            check_same_corpus(saved, corpus)
+        splits = load_token_splits(
+            corpus, tokenizer, tok_path, run_dir, cfg.data.val_fraction, tokenizer_sha
+        )
+        trainer = Trainer(cfg, model_cfg)
+        start_step = 0
+        if resume:
+            start_step, (trainer.params, trainer.opt_state, _) = checkpoints.restore_newest(
+                lambda step: checkpoints.restore(step, trainer.params, trainer.opt_state)
+            )
+            _check_steps_left(start_step, cfg.train.max_steps)
+        resolved = _resolved(cfg, model_cfg)
+        device = jax.devices()[0]
+        print(
+            f"train: {trainer.n_params / 1e6:.2f}M parameters, {len(splits.train):,} train / "
+            f"{len(splits.val):,} val tokens, {jax.device_count()} x {device.device_kind} "
+            f"({device.platform}), compute {model_cfg.dtype}"
+            + (f", QAT int{cfg.train.qat_bits}" if cfg.train.qat_bits else "")
+            + (f"; resuming at step {start_step}" if start_step else ""),
+            file=sys.stderr,
+        )
+        meta = {
+            "config": resolved,
+            "tokenizer_sha256": tokenizer_sha,
+            "corpus_fingerprint": corpus.fingerprint,
+        }
         return _loop(trainer, splits, checkpoints, run_dir, start_step, meta)
     finally:
         checkpoints.close()
 
 
+def _newest_readable_meta(checkpoints: Checkpoints, run_dir: Path) -> dict:
+    """The record of the newest checkpoint whose record reads (restoring checks the rest)."""
+    for step in checkpoints.steps():
+        try:
+            return checkpoints.read_meta(step)
+        except CheckpointDamaged:
+            continue
+    if checkpoints.steps():
+        return checkpoints.restore_newest(checkpoints.read_meta)[1]  # raises: none intact
+    raise UsageError(f"--resume: no checkpoint in {run_dir}; train without --resume")
+
+
+def _check_steps_left(step: int | None, max_steps: int) -> None:
+    if step is not None and step >= max_steps:
+        raise UsageError(
+            f"--resume: the checkpoint is at step {step}, train.max_steps is {max_steps}; "
+            "raise train.max_steps to train further"
+        )
+
+
 def _loop(trainer, splits, checkpoints, run_dir, start_step, meta: dict) -> dict:
-    """The training loop; `meta` (resolved config, tokenizer hash) goes with each checkpoint."""
+    """The training loop; `meta` (resolved config, tokenizer hash) goes with each checkpoint.
+
+    SIGINT and SIGTERM are requests to stop (model.interrupts): the loop finishes the step
+    (and an evaluation under way), saves a checkpoint unless this step is saved already, and
+    raises `Stopped` (exit 130 / 143). A step is never saved twice.
+    """
     t = trainer.cfg.train
     tokens_per_step = t.batch_size * trainer.model_cfg.block_size
     flops_per_step = flops_per_token(trainer.model_cfg) * tokens_per_step
     peak = peak_flops(jax.devices()[0].device_kind)
     ckpt_every = t.checkpoint_interval or t.eval_interval
     log = MetricsLog(run_dir, start_step if start_step else None)
+    # Written only now that everything has been checked: a failing --train leaves it alone.
+    _write_json(run_dir / CONFIG_FILE, meta["config"])
     progress = Progress(t.max_steps, start_step, every_plain=t.log_interval * 10)
 
-    interrupted = []
-    previous_handler = signal.getsignal(signal.SIGINT)
-
-    def on_sigint(signum, frame):
-        if interrupted:  # a second Ctrl-C: stop at once
-            signal.signal(signal.SIGINT, previous_handler)
-            raise KeyboardInterrupt
-        interrupted.append(True)
-
-    signal.signal(signal.SIGINT, on_sigint)
     t0 = time.perf_counter()
     last = {"time": t0, "step": start_step}
     pending = None  # (step, metrics on device): fetched one step late so dispatch never waits
     record: dict = {}
     step = start_step
+    saved_step = start_step if start_step else None  # a resumed step is already on disk
 
     def flush() -> None:
         nonlocal pending, record
@@ -273,39 +305,63 @@ def _loop(trainer, splits, checkpoints, run_dir, start_step, meta: dict) -> dict
             progress.update(record["step"], record["train_loss"], record["tokens_per_sec"])
             pending = None
 
-    try:
-        while step < t.max_steps and not interrupted:
-            x, y = trainer.batch(splits.train, step)
-            trainer.params, trainer.opt_state, metrics = trainer.train_step(
-                trainer.params, trainer.opt_state, x, y, step
-            )
-            step += 1
-            flush()  # the previous log step's metrics: ready by now, so this hardly waits
-            if step % t.log_interval == 0 or step == t.max_steps:
-                pending = (step, metrics)
-            is_eval = step % t.eval_interval == 0 or step == t.max_steps
-            if is_eval or step % ckpt_every == 0:
-                flush()  # NaN check before anything is saved
-                if is_eval:
-                    eval_record = _evaluate(trainer, splits, step, t0)
-                    log.write(eval_record)
-                    progress.message(
-                        f"step {step}: val loss {eval_record['val_loss']:.4f}, "
-                        f"val bpb {eval_record['val_bpb']:.4f}"
-                    )
-                    record.update(eval_record)
-                    last["time"] = time.perf_counter()  # eval time is not training throughput
-                checkpoints.save(step, trainer.params, trainer.opt_state, {**meta, "step": step})
-        if interrupted and step > start_step:
-            flush()
+    def save(stop: StopRequests) -> None:
+        nonlocal saved_step
+        if saved_step == step:
+            return
+        with stop.critical():
             checkpoints.save(step, trainer.params, trainer.opt_state, {**meta, "step": step})
-            checkpoints.wait()
-            progress.message(f"interrupted: saved a checkpoint at step {step}; --resume continues")
-            raise KeyboardInterrupt
-    finally:
-        signal.signal(signal.SIGINT, previous_handler)
-        log.close()
-    checkpoints.wait()
+        saved_step = step
+
+    with StopRequests() as stop:
+        try:
+            while step < t.max_steps and stop.requested is None:
+                x, y = trainer.batch(splits.train, step)
+                trainer.params, trainer.opt_state, metrics = trainer.train_step(
+                    trainer.params, trainer.opt_state, x, y, step
+                )
+                step += 1
+                flush()  # the previous log step's metrics: ready by now, so this hardly waits
+                if step % t.log_interval == 0 or step == t.max_steps:
+                    pending = (step, metrics)
+                is_eval = step % t.eval_interval == 0 or step == t.max_steps
+                if is_eval or step % ckpt_every == 0:
+                    flush()  # NaN check before anything is saved
+                    if is_eval:
+                        eval_record = _evaluate(trainer, splits, step, t0)
+                        log.write(eval_record)
+                        progress.message(
+                            f"step {step}: val loss {eval_record['val_loss']:.4f}, "
+                            f"val bpb {eval_record['val_bpb']:.4f}"
+                        )
+                        record.update(eval_record)
+                        last["time"] = time.perf_counter()  # eval is not training throughput
+                    save(stop)
+            if stop.requested is not None:
+                flush()
+                save(stop)
+                with stop.critical():
+                    checkpoints.wait()
+                name = signal.Signals(stop.requested).name
+                kept = (
+                    f"saved a checkpoint at step {step}"
+                    + ("; --resume continues" if step < t.max_steps else " (the last step)")
+                    if saved_step is not None
+                    else "no step was trained, nothing saved"
+                )
+                raise Stopped(stop.requested, f"interrupted by {name}: {kept}")
+            with stop.critical():
+                checkpoints.wait()
+        except TrainingDiverged as err:
+            if saved_step is None:
+                raise TrainingDiverged(
+                    str(err).split(": training stopped")[0]
+                    + ": training stopped; no checkpoint had been saved yet (lower "
+                    "train.learning_rate or raise train.warmup_steps)"
+                ) from None
+            raise
+        finally:
+            log.close()
     plot = plot_losses(run_dir)
     elapsed = time.perf_counter() - t0
     progress.message(
@@ -379,9 +435,60 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, tokenizer_sha: str) -> 
             )
 
 
+_DATA_FIELDS = ("input", "dataset", "dataset_config", "split", "text_field", "val_fraction")
+
+
+def resumed_data_config(cfg: Config, meta: dict) -> Config:
+    """`cfg` with the data the checkpoint was trained on: a data setting left at its default
+    takes the run's value; one given (a flag, an override) must equal it (UsageError)."""
+    saved = config_from_dict(meta["config"]).data
+    default = DataConfig()
+    merged = {}
+    for name in _DATA_FIELDS:
+        ours, theirs = getattr(cfg.data, name), getattr(saved, name)
+        if ours == getattr(default, name):
+            merged[name] = theirs
+        elif _normalized(name, ours) != _normalized(name, theirs):
+            raise UsageError(
+                f"--resume: this run was trained on {_describe_data(saved)}, but data.{name} "
+                f"is now {ours!r}: drop it to continue on the run's data, or train a new run "
+                "(another --out)"
+            )
+        else:
+            merged[name] = ours
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **merged))
+
+
+def check_same_corpus(meta: dict, corpus) -> None:
+    """A resumed run must read the text it was trained on (the token cache would otherwise be
+    rebuilt from other text and the validation split would move)."""
+    saved = meta.get("corpus_fingerprint")
+    if saved is not None and saved != corpus.fingerprint:
+        raise UsageError(
+            f"--resume: the corpus {corpus.name} changed since the checkpoint was saved (its "
+            "size or modification time differ): restore it, or train a new run (another --out)"
+        )
+
+
+def _normalized(name: str, value):
+    if name == "input":
+        return [str(Path(p).resolve()) for p in value]
+    return value
+
+
+def _describe_data(data) -> str:
+    if data.input:
+        return "--input " + " ".join(data.input)
+    if data.dataset:
+        return f"--dataset {data.dataset}"
+    return "Shakespeare's plays (the default corpus)"
+
+
 def _resolved(cfg: Config, model_cfg: ModelConfig) -> dict:
     out = cfg.to_dict()
     out["model"] = dataclasses.asdict(model_cfg)
+    # Absolute paths: a resumed run finds its files from any working directory.
+    out["data"]["input"] = [str(Path(p).resolve()) for p in cfg.data.input]
     return out
 
 

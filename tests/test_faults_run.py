@@ -1,0 +1,383 @@
+"""Faults in a run directory, injected as users meet them: real signals at chosen moments,
+two writers on one directory, damaged checkpoints, token caches and metrics, leftovers of a
+kill -9, and a resume pointed at other data. Each ends with one line (or a warning and a
+correct run), never a traceback, and never trains on or samples from damaged data."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tinyllm
+from model.checkpoint import DAMAGED_DIR, Checkpoints
+from model.metrics import read_metrics
+from model.run_lock import LOCK_FILE
+from tests.tiny_runs import TINY_TRAIN, write_word_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = ROOT / "tests" / "fault_runner.py"
+STEPS = ["train.max_steps=8", "train.lr_decay_steps=8", "train.cpu_devices=1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_word_corpus(tmp_path_factory.mktemp("corpus") / "words.txt", 400)
+
+
+def cli_args(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--config",
+        str(ROOT / "configs" / "shakespeare_char.toml"),
+        "--out",
+        str(run_dir),
+        f"data.input={json.dumps([str(corpus)])}",
+        *TINY_TRAIN,
+        *STEPS,
+        *extra,
+    ]
+
+
+def run_cli(capsys, *argv) -> tuple[int, list[str]]:
+    code = tinyllm.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.strip()]
+
+
+def error_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("tinyllm: error:")]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in read_metrics(run_dir) if "train_loss" in r}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus) -> Path:
+    """The uninterrupted 8-step run every fault is compared with (checkpoints at 4 and 8)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    assert tinyllm.main(["--tokenize", "--train", *cli_args(corpus, run_dir)]) == 0
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(trained, target)
+    return target
+
+
+def assert_replays(run_dir: Path, trained: Path) -> None:
+    a, b = train_losses(trained), train_losses(run_dir)
+    assert sorted(b) == sorted(a) == list(range(1, 9))
+    np.testing.assert_allclose([b[s] for s in a], list(a.values()), rtol=1e-5, atol=1e-6)
+
+
+# -- signals ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("when", "signame", "count", "code", "saved_at"),
+    [
+        ("eval", "SIGINT", 1, 130, 4),  # Ctrl-C while the step-4 evaluation runs
+        ("save", "SIGTERM", 2, 143, 4),  # a scheduler's SIGTERM, twice, as step 4 is saved
+        ("step:7", "SIGINT", 1, 130, 8),  # Ctrl-C during the last step
+    ],
+    ids=["sigint-during-eval", "double-sigterm-during-save", "sigint-on-last-step"],
+)
+def test_signal_saves_once_exits_and_resume_replays(
+    tmp_path, capsys, corpus, trained, when, signame, count, code, saved_at
+):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(trained / "tokenizer.pkl", run_dir / "tokenizer.pkl")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            RUNNER,
+            when,
+            signame,
+            str(count),
+            "--",
+            "--train",
+            *cli_args(corpus, run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"tinyllm: interrupted by {signame}: saved a checkpoint at step {saved_at}"
+    )
+    assert Checkpoints(run_dir, read_only=True).steps()[0] == saved_at
+    if saved_at < 8:
+        code, lines = run_cli(capsys, "--train", "--resume", *cli_args(corpus, run_dir))
+        assert code == 0, lines
+        assert_replays(run_dir, trained)
+
+
+def test_sigterm_outside_training_unwinds_and_leaves_no_temp_files(tmp_path, corpus):
+    """SIGTERM while the token cache is built: exit 143, one line, no tokens.bin.tmp left."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            ROOT / "tinyllm.py",
+            "--tokenize",
+            "--train",
+            *cli_args(corpus, run_dir, "train.max_steps=100000", "train.eval_interval=100000"),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)  # wait until training runs
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("tinyllm: interrupted by SIGTERM")
+    assert not list((run_dir / "tokens").glob("*.tmp*"))
+
+
+# -- one writer ---------------------------------------------------------------------------
+
+
+def test_a_second_writer_is_refused_and_a_killed_writer_leaves_no_lock(
+    tmp_path, capsys, corpus, trained
+):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(trained / "tokenizer.pkl", run_dir / "tokenizer.pkl")
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            ROOT / "tinyllm.py",
+            "--train",
+            *cli_args(corpus, run_dir, "train.max_steps=100000"),
+        ],
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lock = run_dir / LOCK_FILE
+            if lock.exists() and f"pid {first.pid}" in lock.read_text():
+                break
+            time.sleep(0.1)
+        for stage in ("--train", "--tokenize"):
+            code, lines = run_cli(capsys, stage, *cli_args(corpus, run_dir))
+            assert code == 2
+            (line,) = error_lines(lines)
+            assert "in use by another tinyllm process" in line and f"pid {first.pid}" in line
+        # --inference only reads: allowed while the writer works (it may find no checkpoint).
+        code, lines = run_cli(capsys, "--inference", "--out", run_dir, "--max-new-tokens", "2")
+        assert not any("in use" in line for line in lines)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    # kill -9 released the lock; the next writer starts and cleans what was left behind.
+    (run_dir / "checkpoints" / "3.orbax-checkpoint-tmp-123").mkdir(parents=True)
+    (run_dir / "tokens").mkdir(exist_ok=True)
+    (run_dir / "tokens" / f"tokens.bin.tmp{first.pid}").write_bytes(b"x")
+    code, lines = run_cli(capsys, "--train", *cli_args(corpus, run_dir))
+    assert code == 0, lines
+    assert not list((run_dir / "checkpoints").glob("*tmp*"))
+    assert not list((run_dir / "tokens").glob("*.tmp*"))
+
+
+# -- damaged checkpoints -------------------------------------------------------------------
+
+
+def garble(step_dir: Path) -> None:
+    """Bit rot: flip bytes in the middle of every data file of the params item."""
+    for path in (step_dir / "params").rglob("*"):
+        if path.is_file() and path.stat().st_size > 64 and "d" in path.parent.name:
+            data = bytearray(path.read_bytes())
+            for i in range(len(data) // 3, len(data) // 3 + 16):
+                data[i] ^= 0x5A
+            path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "garbled-weights": garble,
+    "truncated-data": lambda d: [
+        os.truncate(p, p.stat().st_size // 2)
+        for p in (d / "params").rglob("*")
+        if p.is_file() and p.stat().st_size > 64
+    ],
+    "bad-meta-json": lambda d: (d / "meta" / "metadata").write_text("{not json"),
+    "missing-meta": lambda d: shutil.rmtree(d / "meta"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_latest_checkpoint_falls_back_to_the_intact_one(
+    run_copy, capsys, corpus, trained, damage
+):
+    DAMAGE[damage](run_copy / "checkpoints" / "8")
+    code, lines = run_cli(
+        capsys, "--inference", "--out", run_copy, "--prompt", "to", "--max-new-tokens", "4"
+    )
+    assert code == 0, lines
+    warnings = [line for line in lines if "checkpoint step 8" in line and "damaged" in line]
+    assert len(warnings) == 1 and not any("Traceback" in line for line in lines)
+    # --resume falls back too, moves the damaged step aside, and trains steps 5-8 again.
+    code, lines = run_cli(capsys, "--train", "--resume", *cli_args(corpus, run_copy))
+    assert code == 0, lines
+    assert (run_copy / DAMAGED_DIR / "8").is_dir()
+    assert_replays(run_copy, trained)
+
+
+def test_no_intact_checkpoint_is_one_line_and_moves_nothing(run_copy, capsys, corpus):
+    for step in (4, 8):
+        garble(run_copy / "checkpoints" / str(step))
+    for argv in (
+        ["--inference", "--out", run_copy, "--prompt", "to"],
+        ["--train", "--resume", *cli_args(corpus, run_copy)],
+    ):
+        code, lines = run_cli(capsys, *argv)
+        assert code == 2
+        (line,) = error_lines(lines)
+        assert "no intact checkpoint" in line
+    assert not (run_copy / DAMAGED_DIR).exists()
+
+
+def test_stray_and_empty_step_entries_are_not_checkpoints(run_copy, capsys, corpus):
+    (run_copy / "checkpoints" / "99").mkdir()  # an empty step directory
+    (run_copy / "checkpoints" / "123").write_text("stray file")
+    code, lines = run_cli(capsys, "--inference", "--out", run_copy, "--prompt", "to")
+    assert code == 0 and any("step 99" in line and "damaged" in line for line in lines)
+    shutil.rmtree(run_copy / "checkpoints")
+    (run_copy / "checkpoints").mkdir()
+    (run_copy / "checkpoints" / "5").write_text("stray file")
+    code, lines = run_cli(capsys, "--inference", "--out", run_copy, "--prompt", "to")
+    assert code == 2 and "no checkpoint" in error_lines(lines)[0]
+    code, lines = run_cli(capsys, "--train", *cli_args(corpus, run_copy))
+    assert code == 0, lines  # the stray file is no trained model: a fresh run starts
+
+
+# -- the token cache ------------------------------------------------------------------------
+
+
+CACHE_DAMAGE = {
+    "truncated-half": lambda c: os.truncate(
+        c / "tokens.bin", (c / "tokens.bin").stat().st_size // 2
+    ),
+    "empty": lambda c: os.truncate(c / "tokens.bin", 0),
+    "odd-size": lambda c: append_bytes(c / "tokens.bin", b"x"),
+    "missing": lambda c: (c / "tokens.bin").unlink(),
+    "bit-rot": lambda c: garble_file(c / "tokens.bin"),
+    "meta-not-json": lambda c: (c / "meta.json").write_text("{"),
+    "meta-object-dtype": lambda c: edit_json(c / "meta.json", dtype="object"),
+    "meta-wrong-count": lambda c: edit_json(c / "meta.json", n_tokens=12),
+}
+
+
+def append_bytes(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+
+
+def garble_file(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def edit_json(path: Path, **changes) -> None:
+    meta = json.loads(path.read_text())
+    meta.update(changes)
+    path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage", sorted(CACHE_DAMAGE))
+def test_damaged_token_cache_is_rebuilt_not_trained_on(run_copy, capsys, corpus, trained, damage):
+    cache = run_copy / "tokens"
+    before = (cache / "tokens.bin").read_bytes()
+    CACHE_DAMAGE[damage](cache)
+    shutil.rmtree(run_copy / "checkpoints" / "8")  # resume at 4: steps 5-8 read the cache
+    code, lines = run_cli(capsys, "--train", "--resume", *cli_args(corpus, run_copy))
+    assert code == 0, lines
+    assert (cache / "tokens.bin").read_bytes() == before
+    assert_replays(run_copy, trained)
+
+
+# -- metrics, config, data source ------------------------------------------------------------
+
+
+def test_damaged_metrics_do_not_block_resume(run_copy, capsys, corpus, trained):
+    shutil.rmtree(run_copy / "checkpoints" / "8")
+    with open(run_copy / "metrics.jsonl", "ab") as f:
+        f.write(b'\xff\xfe not utf-8\n[1, 2]\n"a string"\n{"no": "step"}\n')
+    code, lines = run_cli(capsys, "--train", "--resume", *cli_args(corpus, run_copy))
+    assert code == 0, lines
+    assert_replays(run_copy, trained)
+
+
+def test_a_failing_train_leaves_config_and_metrics_alone(run_copy, capsys, corpus):
+    config, metrics = (
+        (run_copy / "config.json").read_bytes(),
+        (run_copy / "metrics.jsonl").read_bytes(),
+    )
+    code, _ = run_cli(capsys, "--train", "--resume", *cli_args(corpus, run_copy, "model.n_layer=2"))
+    assert code == 2
+    assert (run_copy / "config.json").read_bytes() == config
+    assert (run_copy / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_resume_uses_the_runs_data_and_refuses_other_data(
+    run_copy, capsys, corpus, trained, tmp_path
+):
+    shutil.rmtree(run_copy / "checkpoints" / "8")
+    base = [
+        "--config",
+        str(ROOT / "configs" / "shakespeare_char.toml"),
+        "--out",
+        str(run_copy),
+        *TINY_TRAIN,
+        *STEPS,
+    ]
+    other = write_word_corpus(tmp_path / "other.txt", 50)
+    code, lines = run_cli(capsys, "--train", "--resume", *base, "--input", other)
+    assert code == 2
+    (line,) = error_lines(lines)
+    assert "--resume: this run was trained on --input" in line and str(corpus) in line
+    # No --input: the run's own data, not the default corpus.
+    cache = (run_copy / "tokens" / "tokens.bin").read_bytes()
+    code, lines = run_cli(capsys, "--train", "--resume", *base)
+    assert code == 0, lines
+    assert (run_copy / "tokens" / "tokens.bin").read_bytes() == cache
+    assert_replays(run_copy, trained)
+
+
+def test_resume_refuses_a_corpus_that_changed(run_copy, capsys, corpus, tmp_path):
+    moved = tmp_path / "words.txt"
+    shutil.copy(corpus, moved)
+    # the same text, but another file
+    code, lines = run_cli(capsys, "--train", "--resume", *cli_args(moved, run_copy))
+    assert code == 2 and "this run was trained on --input" in error_lines(lines)[0]
+    stat, text = corpus.stat(), corpus.read_text()
+    with open(corpus, "a") as f:  # the run's own file, changed after training
+        f.write("to be\n")
+    try:
+        code, lines = run_cli(capsys, "--train", "--resume", *cli_args(corpus, run_copy))
+        assert code == 2 and "changed since the checkpoint was saved" in error_lines(lines)[0]
+    finally:  # the module's other tests share the file: restore its text and its mtime
+        corpus.write_text(text)
+        os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))
