@@ -8,9 +8,9 @@
 
 Stages run in the order tokenize -> train -> inference, each finding what the one before left
 in the run directory (`--out`, default runs/<config name>). Trailing `key=value` pairs override
-config values by dotted name; `--input` takes files up to the first such pair, so both
-orders work. User mistakes, damaged files and filesystem errors (a read-only or full disk)
-print one line on stderr and exit with code 2.
+config values by dotted name; `--input` (and `--special-tokens`) take items up to the first
+such pair, so both orders work. User mistakes, damaged files and filesystem errors (a
+read-only or full disk) print one line on stderr and exit with code 2.
 """
 
 from __future__ import annotations
@@ -112,22 +112,23 @@ def resolve_config_path(name: str | None) -> Path:
 OVERRIDE_ITEM = re.compile(r"^[A-Za-z_]+(\.[A-Za-z_0-9]+)+=")
 
 
-def split_input_overrides(args: argparse.Namespace) -> str | None:
-    """Move the items `--input` took from its first dotted `key=value` on to the overrides.
+def split_list_overrides(args: argparse.Namespace) -> str | None:
+    """Move what a list flag (`--input`, `--special-tokens`) took from its first dotted
+    `key=value` on to the overrides.
 
     `--input a.txt train.max_steps=200` means one file and one override; a file whose name has
     an `=` but no dotted key before it (`x=1.txt`) stays a file. Returns an error message when
-    nothing is left for --input.
+    `--input` is left with no file.
     """
-    if not args.input:
-        return None
-    for i, item in enumerate(args.input):
-        if OVERRIDE_ITEM.match(item):
-            args.input, moved = args.input[:i], args.input[i:]
-            args.overrides = [*args.overrides, *moved]
-            if not args.input:
-                return f"--input needs a file before the config override {item!r}"
-            break
+    for name in ("input", "special_tokens"):
+        items = getattr(args, name)
+        for i, item in enumerate(items or ()):
+            if OVERRIDE_ITEM.match(item):
+                setattr(args, name, items[:i])
+                args.overrides = [*args.overrides, *items[i:]]
+                if name == "input" and i == 0:
+                    return f"--input needs a file before the config override {item!r}"
+                break
     return None
 
 
@@ -139,7 +140,7 @@ def printable(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    problem = split_input_overrides(args)
+    problem = split_list_overrides(args)
     if problem:
         sys.stderr.write(f"tinyllm: error: {printable(problem)} (see --help)\n")
         return 2
@@ -194,7 +195,7 @@ def os_error_line(err: OSError) -> str:
     """`[Errno 28] No space left on device: 'runs/x/tokens.bin'` as a sentence with a fix."""
     what = err.strerror or type(err).__name__
     paths = [p for p in (err.filename, err.filename2) if p is not None]
-    where = " -> ".join(os.fsdecode(p) for p in paths)
+    where = " -> ".join(os.fsdecode(p) if isinstance(p, bytes) else str(p) for p in paths)
     return (
         f"{what}: {where}" if where else what
     ) + " (check the path, its permissions and free space; --debug shows the traceback)"
@@ -238,6 +239,11 @@ def run(args: argparse.Namespace) -> int:
     if args.no_kv_cache:
         cfg.sample.kv_cache = False
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
+    if args.tokenize or args.train:
+        from model.run_dir import check_out_dir, check_run_dir
+
+        check_out_dir(run_dir)  # a file, under a file, read-only: before JAX loads or a stage runs
+        check_run_dir(run_dir, args.tokenize, args.train, args.resume)
     if args.train:
         from model.cpu_devices import configure_cpu_devices
 
@@ -247,11 +253,6 @@ def run(args: argparse.Namespace) -> int:
     if args.train or args.inference:
         enable_compilation_cache()
 
-    if args.tokenize or args.train:
-        from model.run_dir import check_out_dir, check_run_dir
-
-        check_out_dir(run_dir)  # a file, under a file, read-only: before anything is trained
-        check_run_dir(run_dir, args.tokenize, args.train, args.resume)
     if args.tokenize:
         from tokenizer.stage import run_tokenize
 
