@@ -60,7 +60,8 @@ def dir_mode() -> int:
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
     """Write `data` (str as UTF-8) to a temp file beside `path`, fsync, then os.replace; the
-    temp file is removed if anything fails (Ctrl-C included)."""
+    temp file is removed if anything fails (Ctrl-C included). An OSError (a full disk, a
+    read-only directory) names `path`."""
     path = Path(path)
     if isinstance(data, str):
         data = data.encode("utf-8")
@@ -68,14 +69,19 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except OSError:
         mode = file_mode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)  # mkstemp makes 0600: readable by us alone
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as err:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno is not None:
+            # Name the file being written, not the temp file (or none, as write(2) errors do).
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
