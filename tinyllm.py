@@ -2,13 +2,15 @@
 """tinyllm: train a byte-level BPE, fit a GPT, sample text — one entry script, three stages.
 
     python tinyllm.py --tokenize --train --inference --config configs/shakespeare.toml
-    python tinyllm.py --train --config configs/shakespeare_char.toml \\
-        --input ../shared/data/tinyshakespeare.txt train.max_steps=200
+    python tinyllm.py --tokenize --train --config configs/shakespeare_char.toml \\
+        train.max_steps=200 --input ../shared/data/tinyshakespeare.txt
     python tinyllm.py --inference --out runs/shakespeare --prompt "ROMEO:" --temperature 0.8
 
 Stages run in the order tokenize -> train -> inference, each finding what the one before left
 in the run directory (`--out`, default runs/<config name>). Trailing `key=value` pairs override
-config values by dotted name. User mistakes print one line on stderr and exit with code 2.
+config values by dotted name; `--input` (and `--special-tokens`) take items up to the first
+such pair, so both orders work. User mistakes, damaged files and filesystem errors (a
+read-only or full disk) print one line on stderr and exit with code 2.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -27,7 +30,7 @@ class _OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (the contract for every user mistake)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"tinyllm: error: {message} (see --help)\n")
+        sys.stderr.write(f"tinyllm: error: {printable(message)} (see --help)\n")
         sys.exit(2)
 
 
@@ -106,8 +109,42 @@ def resolve_config_path(name: str | None) -> Path:
     return path
 
 
+# A dotted config key with a value (train.max_steps=200): where `--input` stops taking files.
+OVERRIDE_ITEM = re.compile(r"^[A-Za-z_]+(\.[A-Za-z_0-9]+)+=")
+
+
+def split_list_overrides(args: argparse.Namespace) -> str | None:
+    """Move what a list flag (`--input`, `--special-tokens`) took from its first dotted
+    `key=value` on to the overrides.
+
+    `--input a.txt train.max_steps=200` means one file and one override; a file whose name has
+    an `=` but no dotted key before it (`x=1.txt`) stays a file. Returns an error message when
+    `--input` is left with no file.
+    """
+    for name in ("input", "special_tokens"):
+        items = getattr(args, name)
+        for i, item in enumerate(items or ()):
+            if OVERRIDE_ITEM.match(item):
+                setattr(args, name, items[:i])
+                args.overrides = [*args.overrides, *items[i:]]
+                if name == "input" and i == 0:
+                    return f"--input needs a file before the config override {item!r}"
+                break
+    return None
+
+
+def printable(text: str) -> str:
+    """`text` safe for any stream: bytes that were not UTF-8 on the command line (surrogate
+    escapes) shown as \\xNN instead of failing to print."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problem = split_list_overrides(args)
+    if problem:
+        sys.stderr.write(f"tinyllm: error: {printable(problem)} (see --help)\n")
+        return 2
     if not (args.tokenize or args.train or args.inference):
         sys.stderr.write(
             "tinyllm: error: choose at least one stage: --tokenize, --train, --inference "
@@ -117,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.overrides:
         if "=" not in item:
             sys.stderr.write(
-                f"tinyllm: error: unexpected argument {item!r}: overrides are "
+                f"tinyllm: error: unexpected argument {printable(repr(item))}: overrides are "
                 "key=value (see --help)\n"
             )
             return 2
@@ -131,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         if args.debug:
             raise
-        sys.stderr.write(f"tinyllm: error: {err}\n")
+        sys.stderr.write(f"tinyllm: error: {printable(str(err))}\n")
         return 2
     except TrainingDiverged as err:
-        sys.stderr.write(f"tinyllm: {err}\n")
+        sys.stderr.write(f"tinyllm: {printable(str(err))}\n")
         return 1
     except Stopped as stop:
         sys.stderr.write(f"\ntinyllm: {stop.message}\n")
@@ -142,6 +179,41 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\ntinyllm: interrupted\n")
         return 130
+    except OSError as err:
+        # The filesystem said no (full, read-only, permissions) after the early checks: the
+        # user's to fix, so one line naming the path. Other exceptions are bugs: tracebacks.
+        if args.debug or isinstance(err, BrokenPipeError):
+            raise
+        sys.stderr.write(f"tinyllm: error: {printable(os_error_line(err))}\n")
+        return 2
+    except Exception as err:
+        if args.debug or not is_out_of_memory(err):
+            raise
+        sys.stderr.write(
+            "tinyllm: error: out of memory on the device: lower model.block_size, "
+            "train.batch_size (or raise train.grad_accum), model.n_layer or model.n_embd; "
+            "for --inference lower --num-samples (--debug shows the traceback)\n"
+        )
+        return 2
+
+
+def os_error_line(err: OSError) -> str:
+    """`[Errno 28] No space left on device: 'runs/x/tokens.bin'` as a sentence with a fix."""
+    what = err.strerror or type(err).__name__
+    paths = [p for p in (err.filename, err.filename2) if p is not None]
+    where = " -> ".join(os.fsdecode(p) if isinstance(p, bytes) else str(p) for p in paths)
+    return (
+        f"{what}: {where}" if where else what
+    ) + " (check the path, its permissions and free space; --debug shows the traceback)"
+
+
+def is_out_of_memory(err: Exception) -> bool:
+    """An XLA allocation failure (jaxlib's XlaRuntimeError, RESOURCE_EXHAUSTED), by name so
+    that this file need not import JAX."""
+    names = {cls.__name__ for cls in type(err).__mro__}
+    return bool(names & {"XlaRuntimeError", "JaxRuntimeError"}) and (
+        "RESOURCE_EXHAUSTED" in str(err)
+    )
 
 
 def enable_compilation_cache() -> None:
@@ -173,6 +245,10 @@ def run(args: argparse.Namespace) -> int:
     if args.no_kv_cache:
         cfg.sample.kv_cache = False
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
+    if args.tokenize or args.train:
+        from model.run_dir import check_out_dir
+
+        check_out_dir(run_dir)  # a file, under a file, read-only: before JAX loads or a stage runs
     if args.train:
         from model.cpu_devices import configure_cpu_devices
 

@@ -12,6 +12,8 @@ value is checked against the field's type. Overrides use the same dotted names a
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import tomllib
 import types
 import typing
@@ -206,9 +208,20 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     raise UsageError(f"config key {key!r} must be {hint.__name__}, got {value!r}")
 
 
+# Steps, counts and sizes reach JAX as int32; seeds are folded into 32-bit PRNG keys (JAX keeps
+# only the low 32 bits of a larger seed without x64, and numpy refuses negative ones).
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**32 - 1
+
+
 def validate(cfg: Config) -> None:
-    """Check values that types alone cannot: ranges, choices, divisibility."""
-    t, d, tok = cfg.train, cfg.data, cfg.tokenizer
+    """Check values that types alone cannot: ranges, choices, divisibility.
+
+    Every number has a range: counts are integers in 1..2**31-1 (0 allowed where it means
+    "off"), seeds in 0..2**32-1, and every float is finite and in its own range (betas in
+    [0, 1), learning rates > 0, min_lr <= learning_rate...).
+    """
+    t, d, tok, s = cfg.train, cfg.data, cfg.tokenizer, cfg.sample
     positive = {
         "train.batch_size": t.batch_size,
         "train.max_steps": t.max_steps,
@@ -217,12 +230,13 @@ def validate(cfg: Config) -> None:
         "train.eval_steps": t.eval_steps,
         "train.log_interval": t.log_interval,
         "train.quant_group_size": t.quant_group_size,
-        "sample.max_new_tokens": cfg.sample.max_new_tokens,
-        "sample.num_samples": cfg.sample.num_samples,
+        "sample.max_new_tokens": s.max_new_tokens,
+        "sample.num_samples": s.num_samples,
     }
     for key, value in positive.items():
         if value <= 0:
             raise UsageError(f"{key} must be positive, got {value}")
+        _at_most(key, value, INT32_MAX)
     non_negative = {
         "train.warmup_steps": t.warmup_steps,
         "train.lr_decay_steps": t.lr_decay_steps,
@@ -230,14 +244,28 @@ def validate(cfg: Config) -> None:
         "train.grad_clip": t.grad_clip,
         "train.checkpoint_interval": t.checkpoint_interval,
         "train.min_lr": t.min_lr,
-        "sample.top_k": cfg.sample.top_k,
-        "sample.temperature": cfg.sample.temperature,
+        "sample.top_k": s.top_k,
+        "sample.temperature": s.temperature,
     }
     for key, value in non_negative.items():
+        _finite(key, value)
         if value < 0:
             raise UsageError(f"{key} must be >= 0, got {value}")
+        if isinstance(value, int):
+            _at_most(key, value, INT32_MAX)
+    for key, value in {"train.seed": t.seed, "sample.seed": s.seed}.items():
+        if not 0 <= value <= SEED_MAX:
+            raise UsageError(f"{key} must be in 0..{SEED_MAX} (2**32-1), got {value}")
+    _finite("train.learning_rate", t.learning_rate)
     if t.learning_rate <= 0:
         raise UsageError(f"train.learning_rate must be positive, got {t.learning_rate}")
+    if t.min_lr > t.learning_rate:
+        raise UsageError(
+            f"train.min_lr ({t.min_lr}) must not exceed train.learning_rate ({t.learning_rate})"
+        )
+    for key, value in {"train.beta1": t.beta1, "train.beta2": t.beta2}.items():
+        if not 0 <= value < 1:  # also false for NaN
+            raise UsageError(f"{key} must be in [0, 1), got {value}")
     if t.batch_size % t.grad_accum:
         raise UsageError(
             f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum "
@@ -246,8 +274,8 @@ def validate(cfg: Config) -> None:
     check_cpu_devices(t.cpu_devices, t.batch_size // t.grad_accum)
     if t.qat_bits not in (0, 4, 8):
         raise UsageError(f"train.qat_bits must be 0 (off), 8 or 4, got {t.qat_bits}")
-    if not 0 < cfg.sample.top_p <= 1:
-        raise UsageError(f"sample.top_p must be in (0, 1], got {cfg.sample.top_p}")
+    if not 0 < s.top_p <= 1:
+        raise UsageError(f"sample.top_p must be in (0, 1], got {s.top_p}")
     if not 0 < d.val_fraction < 1:
         raise UsageError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
     if tok.kind not in ("bpe", "char", "gpt2"):
@@ -260,8 +288,50 @@ def validate(cfg: Config) -> None:
             f"{len(tok.special_tokens)} special tokens; "
             f"use at least {256 + len(tok.special_tokens)}"
         )
+    if tok.kind == "bpe":
+        _at_most("tokenizer.vocab_size", tok.vocab_size, INT32_MAX)
+    for token in tok.special_tokens:
+        if not token:
+            raise UsageError("tokenizer.special_tokens holds an empty string: remove it")
+    if len(set(tok.special_tokens)) != len(tok.special_tokens):
+        raise UsageError(f"tokenizer.special_tokens lists a token twice: {tok.special_tokens}")
+    if tok.gpt2_files and len(tok.gpt2_files) != 2:
+        raise UsageError("tokenizer.gpt2_files must name two files: vocab.json, merges.txt")
+    paths = {"data.input": d.input, "tokenizer.gpt2_files": tok.gpt2_files}
+    paths["data.dataset"] = [d.dataset] if d.dataset else []
+    for key, names in paths.items():
+        for name in names:
+            _file_name(key, name)
+    if d.dataset and not (d.split and d.text_field):
+        raise UsageError("data.split and data.text_field must be non-empty with data.dataset")
     if not cfg.name or "/" in cfg.name:
         raise UsageError(f"config name {cfg.name!r} must be a plain, non-empty name")
     # Model values (n_embd % n_head, norms, ...) are checked by the model's own validate();
     # vocab_size is filled in from the tokenizer, so check with a placeholder.
     dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, 1)).validate()
+
+
+def _finite(key: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise UsageError(f"{key} must be a finite number, got {value}")
+
+
+def _at_most(key: str, value: int, limit: int) -> None:
+    if value > limit:
+        raise UsageError(f"{key} must be at most {limit}, got {value}")
+
+
+def _file_name(key: str, name: str) -> None:
+    """A file name must be non-empty and UTF-8: config.json, the token cache's key and the
+    checkpoints record it as text. Bytes that are not UTF-8 reach Python from the command line
+    as surrogate escapes; the message shows them as \\xNN."""
+    if not name:
+        raise UsageError(f"{key} holds an empty file name")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(name).decode("utf-8", errors="backslashreplace")
+        raise UsageError(
+            f"{key}: the file name '{shown}' is not valid UTF-8: rename the file (or link it "
+            "under a UTF-8 name)"
+        ) from None

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tokenizer.errors import UsageError
@@ -18,6 +19,13 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
 DTYPES = ("float32", "bfloat16")  # names only: configs load without importing JAX
+
+# Plain upper bounds, far above any model this project trains, that keep a typo such as
+# n_layer=1e30 from hanging construction (the memory check in model/memory.py is the fine one).
+MAX_DIM = 2**31 - 1  # token ids, positions and widths are int32 in JAX
+MAX_LAYERS = 1024
+MAX_EXPERTS = 1024
+MAX_PARAMS = 10**12
 
 
 # unsafe_hash: the config is static data of the model's graphdef, which jit hashes as a static
@@ -58,12 +66,36 @@ class ModelConfig:
 
         return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[self.dtype]
 
+    def approx_params(self) -> int:
+        """Parameter count from the shapes alone (biases and norms included roughly), for
+        size limits and memory estimates; no model is built.
+
+        >>> cfg = ModelConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
+        >>> cfg.approx_params()  # the model built from it has 804,096
+        807296
+        """
+        c = self.n_embd
+        mlp_widths = 2 if self.mlp == "gelu" else 3  # fc + proj, or gate + up + proj
+        dense_hidden = 4 * c if self.mlp == "gelu" else 8 * c // 3
+        n_moe = self.n_layer // self.moe_every if self.moe_experts > 0 else 0
+        expert = mlp_widths * (self.moe_hidden or dense_hidden) * c
+        per_layer = 4 * c * c + 8 * c  # attention, norms and biases
+        mlps = (self.n_layer - n_moe) * mlp_widths * dense_hidden * c
+        mlps += n_moe * (self.moe_experts * expert + c * self.moe_experts)
+        positions = self.block_size * c if self.position == "learned" else 0
+        return self.vocab_size * c + positions + self.n_layer * per_layer + mlps + 2 * c
+
     def validate(self) -> ModelConfig:
         """Raise UsageError with one line naming the first bad value; return self if valid."""
+        limits = {"n_layer": MAX_LAYERS, "moe_every": MAX_LAYERS}
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "moe_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise UsageError(f"model.{name} must be a positive integer, got {value!r}")
+            if value > limits.get(name, MAX_DIM):
+                raise UsageError(
+                    f"model.{name} must be at most {limits.get(name, MAX_DIM)}, got {value}"
+                )
         if self.n_embd % self.n_head != 0:
             raise UsageError(
                 f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head ({self.n_head})"
@@ -76,10 +108,16 @@ class ModelConfig:
             raise UsageError(
                 f"model.position='rope' needs an even head dim, got n_embd/n_head = {self.head_dim}"
             )
-        if self.position == "rope" and not self.rope_theta > 0:
-            raise UsageError(f"model.rope_theta must be > 0, got {self.rope_theta!r}")
-        if not 0.0 <= self.dropout < 1.0:
+        if not (isinstance(self.rope_theta, (int, float)) and 0 < self.rope_theta < math.inf):
+            raise UsageError(
+                f"model.rope_theta must be a finite number > 0, got {self.rope_theta!r}"
+            )
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise UsageError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.moe_experts > MAX_EXPERTS:
+            raise UsageError(
+                f"model.moe_experts must be at most {MAX_EXPERTS}, got {self.moe_experts}"
+            )
         if self.moe_experts < 0 or self.moe_top_k <= 0:
             raise UsageError(
                 f"model.moe_experts must be >= 0 and model.moe_top_k >= 1, "
@@ -95,12 +133,19 @@ class ModelConfig:
                 f"model.moe_every ({self.moe_every}) is above model.n_layer ({self.n_layer}): "
                 "no block would get an MoE MLP"
             )
-        if not isinstance(self.moe_hidden, int) or self.moe_hidden < 0:
-            raise UsageError(f"model.moe_hidden must be an integer >= 0, got {self.moe_hidden!r}")
+        if not isinstance(self.moe_hidden, int) or not 0 <= self.moe_hidden <= MAX_DIM:
+            raise UsageError(
+                f"model.moe_hidden must be an integer in 0..{MAX_DIM}, got {self.moe_hidden!r}"
+            )
         for name in ("moe_aux_weight", "moe_z_weight", "moe_capacity_factor"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
                 raise UsageError(f"model.{name} must be a finite number >= 0, got {value!r}")
+        if self.approx_params() > MAX_PARAMS:
+            raise UsageError(
+                f"the model would have about {self.approx_params():.3g} parameters, above the "
+                f"limit of {MAX_PARAMS:.0e}: lower model.n_layer, model.n_embd or model.vocab_size"
+            )
         return self
 
 

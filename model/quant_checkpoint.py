@@ -18,13 +18,16 @@ compute).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import math
 import os
 import shutil
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +51,7 @@ from model.quant import (
     unpack_int4,
 )
 from model.run_dir import CONFIG_FILE, QUANT_FILE, has_quantized_checkpoint
-from tokenizer.atomic import write_atomic
+from tokenizer.atomic import dir_mode, write_atomic
 from tokenizer.errors import UsageError
 from tokenizer.stage import TOKENIZER_FILE
 
@@ -93,32 +96,55 @@ def write_quantized(path: Path, params: Any, bits: int, group_size: int, meta: d
 
 
 def read_quantized_meta(path: Path) -> dict:
-    """The metadata of a quantized checkpoint; a UsageError if it is not one."""
+    """The metadata of a quantized checkpoint, checked; a UsageError if it is not one."""
     with _open_npz(path) as npz:
         return _meta_of(npz, path)
 
 
 def read_quantized(path: Path, params_like: Any) -> tuple[Any, dict]:
-    """(params shaped like `params_like`, dequantized to float32; metadata)."""
+    """(params shaped like `params_like`, dequantized to float32; metadata).
+
+    Every array is checked against the model before any is used: its key, dtype and shape
+    (and, for int4, the packed size); float values must be finite. A file holding arrays the
+    model has no place for is refused too.
+    """
     with _open_npz(path) as npz:
         meta = _meta_of(npz, path)
+        bits = meta["bits"]
+        expected = {"meta.json"}
 
         def fill(path_key, like):
-            key = "/".join(path_names(path_key))
-            if f"float/{key}" in npz:
-                value = npz[f"float/{key}"]
-            elif f"int8/{key}" in npz or f"int4/{key}" in npz:
-                value = _dequantized(npz, key, meta)
+            names = path_names(path_key)
+            key = "/".join(names)
+            shape = tuple(like.shape)
+            if is_linear_kernel(names, like):
+                kind = f"int{bits}"
+                expected.update((f"{kind}/{key}", f"scale/{key}"))
+                if f"{kind}/{key}" not in npz.files:
+                    raise _other_model(path, key, bits)
+                value = _dequantized(npz, key, meta, shape, path)
             else:
-                raise UsageError(f"{path} has no parameter {key}: it belongs to another model")
-            if value.shape != tuple(like.shape):
-                raise UsageError(
-                    f"{path}: parameter {key} is {value.shape}, the model wants {like.shape}"
-                )
+                expected.add(f"float/{key}")
+                if f"float/{key}" not in npz.files:
+                    raise _other_model(path, key, bits)
+                value = _member(npz, f"float/{key}", path, np.float32, shape)
             return jnp.asarray(value, like.dtype)
 
         params = jax.tree_util.tree_map_with_path(fill, params_like)
+        extra = sorted(set(npz.files) - expected)
+        if extra:
+            raise UsageError(
+                f"{path} holds {extra[0]!r}, which the model has no place for: it is damaged or "
+                "belongs to another model"
+            )
     return params, meta
+
+
+def _other_model(path: Path, key: str, bits: int) -> UsageError:
+    return UsageError(
+        f"{path} has no int{bits} or float parameter {key}: it is damaged or belongs to "
+        "another model; quantize the trained run again"
+    )
 
 
 def linear_weight_bytes(path: Path) -> dict[str, int]:
@@ -127,15 +153,17 @@ def linear_weight_bytes(path: Path) -> dict[str, int]:
     with _open_npz(path) as npz:
         meta = _meta_of(npz, path)
         stored = sum(
-            npz[k].nbytes for k in npz.files if k.split("/")[0] in ("int8", "int4", "scale")
+            _read(npz, k, path).nbytes
+            for k in npz.files
+            if k.split("/")[0] in ("int8", "int4", "scale")
         )
         fp32 = 0
         for k in npz.files:
             kind, _, key = k.partition("/")
             if kind == "int8":
-                fp32 += 4 * npz[k].size
+                fp32 += 4 * _read(npz, k, path).size
             elif kind == "int4":
-                fp32 += 4 * int(np.prod(meta["int4_shapes"][key]))
+                fp32 += 4 * math.prod(meta["int4_shapes"].get(key, ()))
     return {"linear": stored, "linear_fp32": fp32, "file": Path(path).stat().st_size}
 
 
@@ -192,6 +220,7 @@ def quantize_run(
     # Build the whole directory beside its destination, then rename: never half written.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    os.chmod(staging, dir_mode())  # mkdtemp makes 0700: give the run the mode mkdir would
     try:
         shutil.copyfile(tok_path, staging / TOKENIZER_FILE)
         (staging / CONFIG_FILE).write_text(json.dumps(source["config"], indent=2))
@@ -250,7 +279,10 @@ def load_quantized_model(run_dir: Path) -> tuple[GPT, dict]:
     """(GPT with dequantized float32 weights, metadata) from RUN_DIR/quantized.npz."""
     path = Path(run_dir) / QUANT_FILE
     meta = read_quantized_meta(path)
-    model_cfg = config_from_dict(meta["config"]).model
+    try:
+        model_cfg = config_from_dict(meta["config"]).model.validate()
+    except UsageError as err:
+        raise UsageError(f"{path}: the config it holds is not valid: {err}") from None
     graphdef, abstract, rest = _abstract_split(model_cfg)
     params, _ = read_quantized(path, abstract)
     return nnx.merge(graphdef, params, rest), meta
@@ -269,32 +301,123 @@ def _abstract_split(model_cfg):
     return graphdef, params, rest
 
 
-def _dequantized(npz, key: str, meta: dict) -> jax.Array:
-    scales = npz[f"scale/{key}"]
+def _dequantized(npz, key: str, meta: dict, shape: tuple[int, ...], path: Path) -> jax.Array:
+    """The float32 kernel of `shape` from its int values and scales, both checked first."""
+    n_in, n_out = shape[-2], shape[-1]
     if meta["bits"] == 4:
-        values = unpack_int4(npz[f"int4/{key}"], tuple(meta["int4_shapes"][key]))
+        stored = meta["int4_shapes"].get(key)
+        if stored is None or tuple(stored) != shape:
+            raise UsageError(
+                f"{path}: int4 parameter {key} is recorded as {stored}, the model wants "
+                f"{list(shape)}: the file is damaged or belongs to another model"
+            )
+        packed = _member(npz, f"int4/{key}", path, np.uint8, ((math.prod(shape) + 1) // 2,))
+        values = unpack_int4(packed, shape)
         group_size = meta["group_size"]
     else:
-        values = npz[f"int8/{key}"]
-        group_size = values.shape[-2]
+        values = _member(npz, f"int8/{key}", path, np.int8, shape)
+        group_size = n_in
+    groups = -(-n_in // group_size) if n_in else 0
+    scales = _member(npz, f"scale/{key}", path, np.float32, (*shape[:-2], groups, n_out))
     return dequantize(QuantizedKernel(values, scales, group_size))  # stays on the device
+
+
+def _member(npz, key: str, path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """One array of the file, read without pickle and checked: dtype, shape, finite floats."""
+    value = _read(npz, key, path)
+    if value.dtype != np.dtype(dtype) or value.shape != tuple(shape):
+        raise UsageError(
+            f"{path}: {key} is {value.dtype} {list(value.shape)}, the model wants "
+            f"{np.dtype(dtype)} {list(shape)}: the file is damaged or belongs to another model"
+        )
+    if value.dtype.kind == "f" and not np.isfinite(value).all():
+        raise UsageError(f"{path}: {key} holds NaN or infinite values: the file is damaged")
+    return value
+
+
+def _read(npz, key: str, path: Path) -> np.ndarray:
+    try:
+        return npz[key]
+    except KeyError:
+        raise UsageError(
+            f"{path} has no {key}: the file is damaged or not a quantized checkpoint"
+        ) from None
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as err:
+        raise UsageError(
+            f"{path} is damaged ({key}: {err}): quantize the trained run again"
+        ) from None
+    except ValueError:
+        # numpy's own text here would suggest allow_pickle: never the advice to give.
+        raise UsageError(
+            f"{path}: {key} is not a plain numeric array (object data, or a damaged header): "
+            "the file is damaged or crafted; quantize the trained run again"
+        ) from None
 
 
 def _open_npz(path: Path):
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"no quantized checkpoint at {path}")
+    # A file that is not a zip archive would make numpy try pickle (refused) and say so.
+    if not zipfile.is_zipfile(path):
+        raise UsageError(
+            f"{path} is not a readable quantized checkpoint (not a zip archive: empty, truncated "
+            "or another kind of file); quantize the trained run again"
+        )
     try:
         return np.load(path, allow_pickle=False)
-    except (OSError, ValueError, zipfile.BadZipFile) as err:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        if isinstance(err, ValueError):
+            err = "unreadable archive"
         raise UsageError(f"{path} is not a readable quantized checkpoint ({err})") from None
 
 
 def _meta_of(npz, path: Path) -> dict:
+    """meta.json, checked field by field: the rest of the file is read by what it says."""
+    if "meta.json" not in npz.files:
+        raise UsageError(f"{path} is not a tinyllm quantized checkpoint (it has no meta.json)")
+    raw = _read(npz, "meta.json", path)
     try:
-        meta = json.loads(bytes(npz["meta.json"]).decode())
-    except (KeyError, ValueError) as err:
+        if raw.dtype != np.uint8 or raw.ndim != 1:
+            raise ValueError("meta.json is not a byte string")
+        meta = json.loads(raw.tobytes().decode("utf-8"))
+    except ValueError as err:
         raise UsageError(f"{path} is not a tinyllm quantized checkpoint ({err})") from None
+    if not isinstance(meta, dict):
+        raise UsageError(
+            f"{path} is not a tinyllm quantized checkpoint (its meta.json is not an object)"
+        )
     if meta.get("format") != FORMAT:
         raise UsageError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+
+    def bad(field: str, value: Any) -> UsageError:
+        return UsageError(f"{path}: meta.json field {field} is {value!r}: the file is damaged")
+
+    bits = meta.get("bits")
+    if bits not in SUPPORTED_BITS or isinstance(bits, bool):
+        raise bad("bits", bits)
+    shapes = meta.get("int4_shapes")
+    if not isinstance(shapes, dict):
+        raise bad("int4_shapes", shapes)
+    if bits == 4:
+        group_size = meta.get("group_size")
+        if not _is_int(group_size) or group_size <= 0:
+            raise bad("group_size", group_size)
+        for key, shape in shapes.items():
+            if not (isinstance(shape, list) and len(shape) in (2, 3)) or not all(
+                _is_int(n) and n >= 0 for n in shape
+            ):
+                raise bad(f"int4_shapes[{key!r}]", shape)
+    config = meta.get("config")
+    if not isinstance(config, dict):
+        raise bad("config", config)
+    try:  # a config without a vocabulary (tests write one) is checked in load_quantized_model
+        model = config_from_dict(config).model
+        dataclasses.replace(model, vocab_size=max(model.vocab_size, 1)).validate()
+    except UsageError as err:
+        raise UsageError(f"{path}: the config it holds is not valid: {err}") from None
     return meta
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

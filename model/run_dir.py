@@ -10,6 +10,7 @@ them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tokenizer.errors import UsageError
@@ -17,6 +18,7 @@ from tokenizer.errors import UsageError
 CHECKPOINT_DIR = "checkpoints"  # orbax step directories
 QUANT_FILE = "quantized.npz"  # a post-training-quantized checkpoint (model.quant_checkpoint)
 CONFIG_FILE = "config.json"  # the resolved config of the run
+TOKENS_DIR = "tokens"  # the encoded-token cache (model.data)
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
@@ -58,3 +60,42 @@ def check_run_dir(run_dir: Path, tokenize: bool, train: bool, resume: bool) -> N
             f"{run_dir} already holds a trained model: add --resume to continue it, "
             "or pick another --out (or delete the directory to start over)"
         )
+
+
+def check_out_dir(run_dir: Path) -> None:
+    """Refuse, before any stage runs, a run directory that cannot be written: a file, a path
+    under a file or a dangling link, or a directory (or the nearest existing parent of a new
+    one) this process may not write to, read-only file systems included.
+
+    >>> import tempfile
+    >>> check_out_dir(Path(tempfile.mkdtemp()) / "new" / "run")  # creatable: no error
+    """
+    run_dir = Path(run_dir)
+    existing = run_dir
+    while not existing.exists():  # the nearest part of the path that is there
+        if existing.is_symlink():
+            raise UsageError(f"--out {run_dir}: {existing} is a broken symbolic link")
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == run_dir else f"lies under {existing}, which is a file"
+        raise UsageError(f"--out {run_dir} {where}, not a directory: pick another --out")
+    targets = [existing]
+    if existing == run_dir:  # stages also write into these when they are there already
+        targets += [run_dir / name for name in (TOKENS_DIR, CHECKPOINT_DIR)]
+    for target in targets:
+        if target.is_dir() and not _writable(target):
+            raise UsageError(
+                f"cannot write in {target} (no permission, or a read-only file system): "
+                "pick another --out or make it writable"
+            )
+
+
+def _writable(directory: Path) -> bool:
+    """Whether files can be created in `directory` (access(2) also says no on a read-only
+    file system, even to root)."""
+    mode = os.W_OK | os.X_OK
+    if os.access in os.supports_effective_ids:
+        return os.access(directory, mode, effective_ids=True)
+    return os.access(directory, mode)

@@ -34,6 +34,7 @@ from model.data import (
 )
 from model.gpt import GPT, count_params, flops_per_token
 from model.interrupts import Stopped, StopRequests
+from model.memory import check_training_memory
 from model.metrics import MetricsLog, Progress, bits_per_byte, peak_flops, plot_losses
 from model.optim import make_optimizer
 from model.parallel import (
@@ -211,6 +212,8 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     tokenizer = load_tokenizer(tok_path)
     tokenizer_sha = file_sha256(tok_path)
     model_cfg = model_config_for(cfg, tokenizer.vocab_size)
+    t = cfg.train  # a model too big for this machine: one line now, not an OOM traceback later
+    check_training_memory(model_cfg, t.batch_size // t.grad_accum, t.fsdp)
     checkpoints = Checkpoints(run_dir)
     try:
         checkpoints.remove_leftovers()  # what a killed run left: orbax temp dirs

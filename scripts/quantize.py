@@ -56,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         sys.stderr.write(f"quantize: error: {err}\n")
         return 2
+    except OSError as err:  # a full or read-only disk: the user's to fix, one line
+        if args.debug:
+            raise
+        where = f": {err.filename}" if err.filename is not None else ""
+        sys.stderr.write(f"quantize: error: {err.strerror or err}{where}\n")
+        return 2
     sizes = linear_weight_bytes(out / QUANT_FILE)
     print(
         f"quantize: wrote {out} (int{args.bits}): linear weights {sizes['linear'] / 1024:.1f} KiB "

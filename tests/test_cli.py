@@ -82,8 +82,7 @@ def test_failed_tokenize_keeps_the_existing_tokenizer(tmp_path, capsys, text_fil
     code, lines = run_main(capsys, "--tokenize", "--input", bad, "--out", out)
     assert_one_line_error(code, lines, "not UTF-8")
     assert (out / "tokenizer.pkl").read_bytes() == before
-    # the lock file (model.run_lock) stays; its lock went with the process
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "tokenizer.pkl"]
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.pkl"]
 
 
 @pytest.mark.parametrize(

@@ -85,3 +85,69 @@ def test_invalid_toml(tmp_path):
 def test_round_trip_through_dict():
     cfg = load_config(CONFIGS / "tinystories.toml")
     assert config_from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.seed=-1", "train.seed must be in 0..4294967295"),
+        ("train.seed=4294967296", "train.seed must be in 0..4294967295"),
+        ("sample.seed=18446744073709551616", "sample.seed must be in 0..4294967295"),
+        ("train.learning_rate=nan", "train.learning_rate must be a finite number"),
+        ("train.learning_rate=inf", "train.learning_rate must be a finite number"),
+        ("train.learning_rate=0", "train.learning_rate must be positive"),
+        ("train.min_lr=0.5", "train.min_lr \\(0.5\\) must not exceed train.learning_rate"),
+        ("train.min_lr=nan", "train.min_lr must be a finite number"),
+        ("train.beta1=2", "train.beta1 must be in \\[0, 1\\)"),
+        ("train.beta1=1", "train.beta1 must be in \\[0, 1\\)"),
+        ("train.beta2=-1", "train.beta2 must be in \\[0, 1\\)"),
+        ("train.beta2=nan", "train.beta2 must be in \\[0, 1\\)"),
+        ("train.grad_clip=nan", "train.grad_clip must be a finite number"),
+        ("train.weight_decay=inf", "train.weight_decay must be a finite number"),
+        ("train.weight_decay=-0.1", "train.weight_decay must be >= 0"),
+        ("train.max_steps=2147483648", "train.max_steps must be at most 2147483647"),
+        ("train.warmup_steps=1e12", "train.warmup_steps must be at most"),
+        ("train.eval_steps=0", "train.eval_steps must be positive"),
+        ("sample.temperature=inf", "sample.temperature must be a finite number"),
+        ("sample.top_p=nan", "sample.top_p must be in \\(0, 1\\]"),
+        ("sample.top_k=-1", "sample.top_k must be >= 0"),
+        ("sample.max_new_tokens=1e10", "sample.max_new_tokens must be at most"),
+        ("data.val_fraction=nan", "data.val_fraction must be in \\(0, 1\\)"),
+        ('data.input=[""]', "data.input holds an empty file name"),
+        ("tokenizer.vocab_size=1e10", "tokenizer.vocab_size must be at most"),
+        ('tokenizer.special_tokens=["<a>", "<a>"]', "lists a token twice"),
+        ('tokenizer.special_tokens=[""]', "holds an empty string"),
+        ('tokenizer.gpt2_files=["vocab.json"]', "must name two files"),
+        ("model.n_layer=1e30", "model.n_layer must be at most 1024"),
+        ("model.block_size=1e12", "model.block_size must be at most 2147483647"),
+        ("model.n_embd=1e12", "model.n_embd must be at most"),
+        ("model.dropout=nan", "model.dropout must be in \\[0, 1\\)"),
+        ("model.rope_theta=inf", "model.rope_theta must be a finite number > 0"),
+        ("model.moe_experts=5000", "model.moe_experts must be at most 1024"),
+        ("model.moe_z_weight=nan", "model.moe_z_weight must be a finite number"),
+        ("model.n_embd=1048576", "parameters, above the limit"),
+    ],
+)
+def test_every_value_has_a_range(override, message):
+    with pytest.raises(UsageError, match=message) as err:
+        load_config(CONFIGS / "shakespeare.toml", [override])
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.seed=0",
+        "train.seed=4294967295",
+        "sample.seed=4294967295",
+        "train.beta1=0",
+        "train.beta2=0.999",
+        "train.min_lr=1e-3",  # equal to the peak rate: a constant schedule
+        "train.grad_clip=0",
+        "train.weight_decay=0",
+        "sample.temperature=0",
+        "train.max_steps=2147483647",
+    ],
+)
+def test_range_edges_are_accepted(override):
+    load_config(CONFIGS / "shakespeare.toml", [override])

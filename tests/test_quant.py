@@ -345,3 +345,136 @@ def test_quantize_bad_input_is_one_line(tmp_path, capsys, corpus_file, trained_r
     )
     assert (out / QUANT_FILE).read_bytes() == before
     assert_one_line_error(*run_quantize(capsys, "--bits", 8), "quantize", "--run")
+
+
+# -- damaged quantized.npz: one line from --inference, never pickle --------------------------
+
+
+class _RunsCode:
+    """Unpickling this would create `marker`: proof that a loader used pickle."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def q8_run(tmp_path_factory, trained_run):
+    from model.quant_checkpoint import quantize_run
+
+    return quantize_run(trained_run, 8, out_dir=tmp_path_factory.mktemp("q") / "q8")
+
+
+def _arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as npz:
+        return {k: npz[k] for k in npz.files}
+
+
+def _rewrite(path: Path, change) -> None:
+    arrays = _arrays(path)
+    change(arrays)
+    with path.open("wb") as f:
+        np.savez(f, **arrays)
+
+
+def _meta(arrays, **fields):
+    import json
+
+    meta = json.loads(arrays["meta.json"].tobytes())
+    meta.update(fields)
+    arrays["meta.json"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+
+
+def _bit_rot(path: Path) -> None:
+    """Flip one byte inside a member's data (the zip's CRC-32 no longer matches)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = next(
+            i for i in z.infolist() if i.filename.startswith("float/") and i.file_size > 200
+        )
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = (
+        int.from_bytes(data[info.header_offset + o : info.header_offset + o + 2], "little")
+        for o in (26, 28)
+    )
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size - 8] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+FLOAT_KEY = "float/wte/embedding"
+INT8_KEY = "int8/blocks/0/attn/c_attn/kernel"
+DAMAGES = {
+    "empty": lambda p, m: p.write_bytes(b""),
+    "random-bytes": lambda p, m: p.write_bytes(np.random.default_rng(0).bytes(4096)),
+    "truncated": lambda p, m: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+    "bit-rot": lambda p, m: _bit_rot(p),
+    "object-array": lambda p, m: _rewrite(
+        p, lambda a: a.__setitem__(FLOAT_KEY, np.array([_RunsCode(m)], dtype=object))
+    ),
+    "object-meta": lambda p, m: _rewrite(
+        p, lambda a: a.__setitem__("meta.json", np.array([_RunsCode(m)], dtype=object))
+    ),
+    "missing-key": lambda p, m: _rewrite(p, lambda a: a.pop(FLOAT_KEY)),
+    "missing-scale": lambda p, m: _rewrite(p, lambda a: a.pop(INT8_KEY.replace("int8", "scale"))),
+    "no-meta": lambda p, m: _rewrite(p, lambda a: a.pop("meta.json")),
+    "meta-list": lambda p, m: _rewrite(
+        p, lambda a: a.__setitem__("meta.json", np.frombuffer(b"[1, 2]", np.uint8))
+    ),
+    "meta-not-json": lambda p, m: _rewrite(
+        p, lambda a: a.__setitem__("meta.json", np.frombuffer(b"{\xff", np.uint8))
+    ),
+    "bits-3": lambda p, m: _rewrite(p, lambda a: _meta(a, bits=3)),
+    "config-list": lambda p, m: _rewrite(p, lambda a: _meta(a, config=[1])),
+    "config-huge": lambda p, m: _rewrite(
+        p, lambda a: _meta(a, config={"model": {"n_layer": 10**30, "vocab_size": 20}})
+    ),
+    "wrong-shape": lambda p, m: _rewrite(p, lambda a: a.__setitem__(FLOAT_KEY, a[FLOAT_KEY][:-1])),
+    "wrong-dtype": lambda p, m: _rewrite(
+        p, lambda a: a.__setitem__(FLOAT_KEY, a[FLOAT_KEY].astype(np.float64))
+    ),
+    "int8-as-float": lambda p, m: _rewrite(
+        p, lambda a: a.__setitem__(INT8_KEY, a[INT8_KEY].astype(np.float32))
+    ),
+    "nan-scale": lambda p, m: _rewrite(
+        p,
+        lambda a: a.__setitem__(
+            INT8_KEY.replace("int8", "scale"),
+            np.full_like(a[INT8_KEY.replace("int8", "scale")], np.nan),
+        ),
+    ),
+    "extra-key": lambda p, m: _rewrite(
+        p, lambda a: a.__setitem__("float/stray", np.zeros(3, np.float32))
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damaged_quantized_checkpoint_is_one_line(tmp_path, capsys, q8_run, damage):
+    run = tmp_path / "q8"
+    shutil.copytree(q8_run, run)
+    assert FLOAT_KEY in _arrays(run / QUANT_FILE) and INT8_KEY in _arrays(run / QUANT_FILE)
+    marker = tmp_path / "pwned"
+    DAMAGES[damage](run / QUANT_FILE, marker)
+    before = (run / QUANT_FILE).read_bytes()
+    code = tinyllm.main(["--inference", "--out", str(run), "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert_one_line_error(code, err.splitlines(), "tinyllm", str(run / QUANT_FILE))
+    assert "pickle" not in err  # numpy's allow_pickle advice is never passed on
+    assert not marker.exists()
+    assert (run / QUANT_FILE).read_bytes() == before
+
+
+def test_quantized_run_directory_gets_the_umask(q8_run):
+    import os
+    import stat
+
+    from tokenizer.atomic import current_umask
+
+    assert stat.S_IMODE(os.stat(q8_run).st_mode) == 0o777 & ~current_umask()  # not mkdtemp's 0700
+    for name in ("config.json", QUANT_FILE, "tokenizer.pkl"):
+        assert stat.S_IMODE((q8_run / name).stat().st_mode) == 0o666 & ~current_umask(), name
