@@ -277,8 +277,10 @@ def run_dir_lock(run_dir: Path):
 def run_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
     if args.tokenize or args.train:
         from model.run_dir import check_run_dir
+        from tokenizer.atomic import remove_atomic_leftovers
 
         check_run_dir(run_dir, args.tokenize, args.train, args.resume)
+        remove_atomic_leftovers(run_dir)  # a killed writer's temp files (we hold the lock)
     if args.tokenize:
         from tokenizer.stage import run_tokenize
 

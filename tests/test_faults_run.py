@@ -151,6 +151,7 @@ def test_sigterm_outside_training_unwinds_and_leaves_no_temp_files(tmp_path, cor
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("tinyllm: interrupted by SIGTERM")
     assert not list((run_dir / "tokens").glob("*.tmp*"))
+    assert not list(run_dir.glob(".*.tmp"))
 
 
 # -- one writer ---------------------------------------------------------------------------
@@ -191,10 +192,12 @@ def test_a_second_writer_is_refused_and_a_killed_writer_leaves_no_lock(
     (run_dir / "checkpoints" / "3.orbax-checkpoint-tmp-123").mkdir(parents=True)
     (run_dir / "tokens").mkdir(exist_ok=True)
     (run_dir / "tokens" / f"tokens.bin.tmp{first.pid}").write_bytes(b"x")
+    (run_dir / ".config.json.k2j4h.tmp").write_bytes(b"{")
     code, lines = run_cli(capsys, "--train", *cli_args(corpus, run_dir))
     assert code == 0, lines
     assert not list((run_dir / "checkpoints").glob("*tmp*"))
     assert not list((run_dir / "tokens").glob("*.tmp*"))
+    assert not list(run_dir.glob(".*.tmp"))
 
 
 # -- damaged checkpoints -------------------------------------------------------------------

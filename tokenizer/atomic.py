@@ -85,3 +85,13 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
             # Name the file being written, not the temp file (or none, as write(2) errors do).
             raise OSError(err.errno, err.strerror, str(path)) from err
         raise
+
+
+def remove_atomic_leftovers(directory: str | os.PathLike) -> None:
+    """Delete the temp files of writes that a kill -9 cut short (`.NAME.XXXX.tmp`). Only for
+    the one writer of `directory` (see model.run_lock)."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for leftover in directory.glob(".*.tmp"):
+            if leftover.is_file():
+                leftover.unlink(missing_ok=True)
