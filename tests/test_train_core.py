@@ -115,14 +115,31 @@ def test_edge_inputs_equal_python(counts, num_merges):
     assert compiled_merges(counts, num_merges) == python_merges(counts, num_merges)
 
 
+class Word(str):
+    pass
+
+
+class Count(int):
+    pass
+
+
 @requires_core
 @pytest.mark.parametrize(
     "counts",
-    [{"ab": 2**63, "bc": 1}, {"abc": 2**62}, {"ab": 1.5}, {b"ab": 1}, {"a\ud800b": 1}],
+    [
+        {"ab": 2**63, "bc": 1},
+        {"abc": 2**62},
+        {"ab": 1.5},
+        {b"ab": 1},
+        {"a\ud800b": 1},
+        {Word("ab"): 1},  # subclasses: the Python loop would call their methods
+        {"ab": Count(1)},
+    ],
 )
 def test_inputs_beyond_the_compiled_loop_go_to_python(counts, monkeypatch):
     # The compiled loop declines (None) and train_merges gives the Python loop's answer or
-    # error: counts beyond int64 sums, non-int counts, non-str or unencodable chunks.
+    # error: counts beyond int64 sums, non-int counts, non-str or unencodable chunks, and
+    # subclasses of str and int.
     assert compiled_merges(counts, 5) is None
     use_merge_loop(monkeypatch, "compiled")
     try:

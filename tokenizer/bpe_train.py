@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 
 from tokenizer.progress import ProgressBar
@@ -62,7 +62,8 @@ def train_merges(
     bar = ProgressBar(num_merges, desc="BPE merges", enabled=progress)
     merges = None
     if compiled_merge_loop():
-        counts = chunk_counts if isinstance(chunk_counts, dict) else dict(chunk_counts)
+        plain = type(chunk_counts) in (dict, Counter)
+        counts = chunk_counts if plain else dict(chunk_counts.items())  # what Python iterates
         # None: an input the compiled loop does not take (e.g. counts beyond int64); it has
         # not touched the bar then.
         merges = _train_core.train_merges(counts, num_merges, bar.update if progress else None)

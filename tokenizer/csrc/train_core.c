@@ -15,7 +15,8 @@
  * train_merges(chunk_counts: dict[str, int], num_merges: int, progress=None)
  *     -> list[tuple[bytes, bytes]] | None
  * None means "not an input this loop takes" (a key that is not a str or not encodable as
- * UTF-8, a count that is not an int or too large for int64 sums, num_merges not an int): the
+ * UTF-8, a count that is not an int or too large for int64 sums, num_merges not an int, or
+ * subclasses of str and int, whose methods the Python loop would call): the
  * caller then runs the Python loop, which gives the answer or the error. progress, when given,
  * is called with the number of merges done since the last call (every PROGRESS_EVERY merges
  * and at the end). The GIL is released during the merge loop.
@@ -388,7 +389,9 @@ static int read_chunks(Trainer *t, PyObject *dict) {
     PyObject *key, *value;
     int64_t n_pos = 0, n_chunks = 0, total = 0;
     while (PyDict_Next(dict, &it, &key, &value)) {
-        if (!PyUnicode_Check(key) || !PyLong_Check(value)) return 0;
+        /* Exact types: a subclass could change encode() or arithmetic for the Python loop. */
+        if (!PyUnicode_CheckExact(key) || !(PyLong_CheckExact(value) || PyBool_Check(value)))
+            return 0;
         int overflow = 0;
         long long count = PyLong_AsLongLongAndOverflow(value, &overflow);
         if (count == -1 && PyErr_Occurred()) return -1;
@@ -420,6 +423,7 @@ static int read_chunks(Trainer *t, PyObject *dict) {
         if (overflow != 0 || count <= 0) continue;
         int64_t n = utf8_length(key);
         if (n < 2) continue;
+        if (base + n > n_pos || chunk >= n_chunks) break; /* cannot happen: same dict */
         utf8_write(key, t->sym + base);
         for (int64_t i = 0; i < n; i++) {
             t->nxt[base + i] = i + 1 < n ? (int32_t)(base + i + 1) : -1;
@@ -435,20 +439,41 @@ static int read_chunks(Trainer *t, PyObject *dict) {
 
 /* ---------------------------------------------------------------- the loop */
 
-/* Count every adjacent pair and fill the heap. 0 or -1 (out of memory). */
+/* Count every adjacent pair and fill the heap. 0 or -1 (out of memory).
+ * The first pairs are byte pairs: tallied in a direct 64K table, so that each position list
+ * is allocated at its exact size (no growth slack at the peak of memory). */
 static int count_pairs(Trainer *t) {
-    if (table_resize(t, 1024) < 0) return -1;
-    for (int32_t i = 0; i < (int32_t)t->n_pos; i++) {
-        int32_t j = t->nxt[i];
-        if (j < 0) continue;
-        int32_t k = find_pair(t, t->sym[i], t->sym[j], 1);
-        if (k < 0) return -1;
-        t->pairs[k].count += t->weight[t->owner[i]];
-        if (pair_append(&t->pairs[k], i) < 0) return -1;
+    int64_t *tally = calloc(65536, sizeof(int64_t));
+    int32_t *index = malloc(65536 * sizeof(int32_t));
+    int status = -1;
+    if (tally == NULL || index == NULL || table_resize(t, 1024) < 0) goto done;
+    for (int64_t i = 0; i < t->n_pos; i++)
+        if (t->nxt[i] >= 0) tally[t->sym[i] << 8 | t->sym[t->nxt[i]]]++;
+    for (int32_t code = 0; code < 65536; code++) {
+        index[code] = -1;
+        if (tally[code] == 0) continue;
+        int32_t k = find_pair(t, code >> 8, code & 255, 1);
+        if (k < 0) goto done;
+        index[code] = k;
+        Pair *p = &t->pairs[k];
+        if (tally[code] > INLINE_CAP) {
+            p->pos.heap = malloc((size_t)tally[code] * sizeof(int32_t));
+            if (p->pos.heap == NULL) goto done;
+            p->cap = (int32_t)tally[code];
+        }
+    }
+    for (int64_t i = 0; i < t->n_pos; i++) {
+        if (t->nxt[i] < 0) continue;
+        Pair *p = &t->pairs[index[t->sym[i] << 8 | t->sym[t->nxt[i]]]];
+        p->count += t->weight[t->owner[i]];
+        pair_positions(p)[p->len++] = (int32_t)i;
+        p->live++;
     }
     int64_t cap = t->heap_cap;
-    t->heap = grow_array(t->heap, &cap, t->n_pairs > 0 ? t->n_pairs : 1, sizeof(HeapEntry));
-    if (t->heap == NULL) return -1;
+    HeapEntry *heap = grow_array(t->heap, &cap, t->n_pairs > 0 ? t->n_pairs : 1,
+                                 sizeof(HeapEntry));
+    if (heap == NULL) goto done;
+    t->heap = heap;
     t->heap_cap = cap;
     for (int32_t k = 0; k < t->n_pairs; k++) {
         t->heap[k].count = t->pairs[k].count;
@@ -456,7 +481,11 @@ static int count_pairs(Trainer *t) {
     }
     t->heap_len = t->n_pairs;
     for (int64_t i = t->heap_len / 2 - 1; i >= 0; i--) sift_down(t, i);
-    return 0;
+    status = 0;
+done:
+    free(tally);
+    free(index);
+    return status;
 }
 
 static int cmp_int32(const void *x, const void *y) {
@@ -634,7 +663,7 @@ static PyObject *train_merges(PyObject *self, PyObject *args, PyObject *kwargs) 
         PyErr_SetString(PyExc_TypeError, "progress must be callable or None");
         return NULL;
     }
-    if (!PyLong_Check(num_obj)) Py_RETURN_NONE;
+    if (!(PyLong_CheckExact(num_obj) || PyBool_Check(num_obj))) Py_RETURN_NONE;
     int overflow = 0;
     long long num_merges = PyLong_AsLongLongAndOverflow(num_obj, &overflow);
     if (num_merges == -1 && PyErr_Occurred()) return NULL;
