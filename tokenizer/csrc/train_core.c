@@ -35,7 +35,7 @@
 typedef struct {
     int64_t count; /* weighted number of live occurrences */
     union {
-        int32_t *heap;
+        int32_t *buf;
         int32_t inline_pos[INLINE_CAP];
     } pos;
     int32_t a, b;  /* token ids */
@@ -87,17 +87,19 @@ static void *grow_array(void *ptr, int64_t *cap, int64_t need, size_t item) {
 }
 
 static inline uint64_t hash_pair(int32_t a, int32_t b) {
-    uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
-    key *= 0x9E3779B97F4A7C15ULL;
-    return key ^ (key >> 29);
+    /* splitmix64's finalizer: every bit of (a, b) reaches the low bits the table uses */
+    uint64_t x = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
 }
 
 static inline int32_t *pair_positions(Pair *p) {
-    return p->cap > INLINE_CAP ? p->pos.heap : p->pos.inline_pos;
+    return p->cap > INLINE_CAP ? p->pos.buf : p->pos.inline_pos;
 }
 
 static void pair_free_positions(Pair *p) {
-    if (p->cap > INLINE_CAP) free(p->pos.heap);
+    if (p->cap > INLINE_CAP) free(p->pos.buf);
     p->cap = INLINE_CAP;
     p->len = 0;
 }
@@ -227,10 +229,10 @@ static int pair_append(Pair *p, int32_t pos) {
             if (buf == NULL) return -1;
             memcpy(buf, p->pos.inline_pos, sizeof(p->pos.inline_pos));
         } else {
-            buf = realloc(p->pos.heap, (size_t)new_cap * sizeof(int32_t));
+            buf = realloc(p->pos.buf, (size_t)new_cap * sizeof(int32_t));
             if (buf == NULL) return -1;
         }
-        p->pos.heap = buf;
+        p->pos.buf = buf;
         p->cap = (int32_t)new_cap;
     }
     pair_positions(p)[p->len++] = pos;
@@ -251,7 +253,7 @@ static void pair_lose(Trainer *t, int32_t k, int64_t w) {
     /* Most entries stale: drop them, so lists stay within ~2x their live positions. Safe at
      * any time a decrement happens: only pairs holding the token being created change. */
     if (p->cap > INLINE_CAP && p->len > 2 * p->live + 8) {
-        int32_t *pos = p->pos.heap;
+        int32_t *pos = p->pos.buf;
         int32_t n = 0;
         for (int32_t e = 0; e < p->len; e++)
             if (is_live(t, p, pos[e])) pos[n++] = pos[e];
@@ -259,7 +261,7 @@ static void pair_lose(Trainer *t, int32_t k, int64_t w) {
         if (p->cap > 4 * n + 16) {
             int32_t *smaller = realloc(pos, (size_t)(2 * n + 8) * sizeof(int32_t));
             if (smaller != NULL) {
-                p->pos.heap = smaller;
+                p->pos.buf = smaller;
                 p->cap = 2 * n + 8;
             }
         }
@@ -457,8 +459,8 @@ static int count_pairs(Trainer *t) {
         index[code] = k;
         Pair *p = &t->pairs[k];
         if (tally[code] > INLINE_CAP) {
-            p->pos.heap = malloc((size_t)tally[code] * sizeof(int32_t));
-            if (p->pos.heap == NULL) goto done;
+            p->pos.buf = malloc((size_t)tally[code] * sizeof(int32_t));
+            if (p->pos.buf == NULL) goto done;
             p->cap = (int32_t)tally[code];
         }
     }
@@ -505,7 +507,7 @@ static int apply_merge(Trainer *t, int32_t key, int32_t new_id) {
     int32_t *list;
     int32_t *owned = NULL;
     if (merged->cap > INLINE_CAP) {
-        owned = list = merged->pos.heap;
+        owned = list = merged->pos.buf;
     } else {
         memcpy(inline_copy, merged->pos.inline_pos, sizeof(inline_copy));
         list = inline_copy;
@@ -513,7 +515,8 @@ static int apply_merge(Trainer *t, int32_t key, int32_t new_id) {
     merged->cap = INLINE_CAP;
     merged->len = 0;
     merged->live = 0;
-    /* Only overlapping occurrences (a == b) depend on the order; sort like Python does. */
+    /* Left to right (ascending positions), like Python's sorted(): overlapping occurrences
+     * (a == b) depend on it. Lists are appended over many merges, so may be out of order. */
     int sorted = 1;
     for (int32_t e = 1; e < n_list && sorted; e++) sorted = list[e - 1] < list[e];
     if (!sorted) qsort(list, (size_t)n_list, sizeof(int32_t), cmp_int32);
@@ -527,22 +530,25 @@ static int apply_merge(Trainer *t, int32_t key, int32_t new_id) {
         if (j < 0 || t->sym[j] != b) continue;
         int64_t w = t->weight[t->owner[i]];
         int32_t p = t->prv[i], n = t->nxt[j];
+        int32_t left = p >= 0 ? t->sym[p] : -1, right = n >= 0 ? t->sym[n] : -1;
+        /* The pairs (left, a) and (b, right) lose this occurrence, unless one is the pair being
+         * merged. Both losses come before both gains: a loss may compact a list, which must
+         * not see a position appended by this occurrence before its symbols are rewritten. */
+        if (p >= 0 && !(left == a && a == b)) {
+            int32_t old = find_pair(t, left, a, 0);
+            if (old >= 0) pair_lose(t, old, w);
+        }
+        if (n >= 0 && !(b == right && a == b)) {
+            int32_t old = find_pair(t, b, right, 0);
+            if (old >= 0) pair_lose(t, old, w);
+        }
+        /* (left, new) and (new, right) gain it. */
         if (p >= 0) {
-            int32_t left = t->sym[p];
-            if (!(left == a && a == b)) {
-                int32_t old = find_pair(t, left, a, 0);
-                if (old >= 0) pair_lose(t, old, w);
-            }
             int32_t grow = find_pair(t, left, new_id, 1);
             if (grow < 0 || pair_append(&t->pairs[grow], p) < 0) goto oom;
             t->pairs[grow].count += w;
         }
         if (n >= 0) {
-            int32_t right = t->sym[n];
-            if (!(b == right && a == b)) {
-                int32_t old = find_pair(t, b, right, 0);
-                if (old >= 0) pair_lose(t, old, w);
-            }
             int32_t grow = find_pair(t, new_id, right, 1);
             if (grow < 0 || pair_append(&t->pairs[grow], i) < 0) goto oom;
             t->pairs[grow].count += w;
