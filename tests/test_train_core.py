@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from itertools import chain, islice, product
 
 import numpy as np
@@ -187,3 +188,16 @@ def test_a_million_chunks():
     totals = np.bincount(codes[inside[:-1]], weights=weights[:-1][inside[:-1]])
     best = int(np.flatnonzero(totals == totals.max())[-1])
     assert merges[0] == (bytes([best >> 8]), bytes([best & 255]))
+
+
+@requires_core
+def test_threads_train_independently():
+    # The loop runs without the GIL: concurrent trainings must not share any state.
+    rng = random.Random(1)
+    dicts = [
+        Counter("".join(rng.choices(letters, k=rng.randint(2, 12))) for _ in range(20_000))
+        for letters in ["abcdef", "ab", "xyz\u00e9", "aaab"]
+    ]
+    sequential = [compiled_merges(d, 500) for d in dicts]
+    with ThreadPoolExecutor(len(dicts)) as pool:
+        assert list(pool.map(lambda d: compiled_merges(d, 500), dicts)) == sequential
