@@ -10,14 +10,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.tokenizer_helpers import CS336, EOT, data_file
+from tests.tokenizer_helpers import CS336, EOT, data_file, use_merge_loop
 from tokenizer import BPETokenizer, UsageError
 from tokenizer import pretokenize as pretok
-from tokenizer.bpe_train import train_merges
+from tokenizer.bpe_train import _train_merges_python, train_merges
 from tokenizer.gpt2_files import decode_token
+from tokenizer.progress import ProgressBar
 
 
-def test_cs336_reference_merges_and_vocab():
+@pytest.fixture(params=["compiled", "python"])
+def merge_loop(request, monkeypatch):
+    """Run the test once on each merge loop (the compiled one skips where it is not built)."""
+    use_merge_loop(monkeypatch, request.param)
+    return request.param
+
+
+def test_cs336_reference_merges_and_vocab(merge_loop):
     corpus = data_file("cs336", "corpus.en").read_text(encoding="utf-8")
     tok = BPETokenizer.train(corpus, vocab_size=500, special_tokens=[EOT])
 
@@ -44,7 +52,7 @@ def test_cs336_reference_merges_and_vocab():
     assert all(tok.vocab[b] == bytes([b]) for b in range(256))
 
 
-def test_cs336_handout_example():
+def test_cs336_handout_example(merge_loop):
     # Sennrich et al.'s example as worked in the CS336 handout (whitespace pre-tokenization).
     counts = Counter({"low": 5, "lower": 2, "widest": 3, "newest": 6})
     merges = train_merges(counts, 6)
@@ -93,7 +101,10 @@ def naive_merges(counts: dict[str, int], num_merges: int) -> list[tuple[bytes, b
 )
 def test_incremental_training_equals_naive(counts, num_merges):
     # Small alphabets make repeated letters ("aaaa": overlapping pairs) and ties common.
-    assert train_merges(counts, num_merges) == naive_merges(counts, num_merges)
+    expected = naive_merges(counts, num_merges)
+    assert train_merges(counts, num_merges) == expected  # the compiled loop where it is built
+    bar = ProgressBar(1, enabled=False)
+    assert _train_merges_python(counts, num_merges, bar) == expected
 
 
 def test_special_tokens_are_never_merged():
@@ -105,7 +116,7 @@ def test_special_tokens_are_never_merged():
     assert not any(b"<|" in a + b or b"|>" in a + b for a, b in tok.merges)
 
 
-def test_vocab_size_counts_bytes_merges_and_specials():
+def test_vocab_size_counts_bytes_merges_and_specials(merge_loop):
     corpus = data_file("cs336", "corpus.en").read_text(encoding="utf-8")
     tok = BPETokenizer.train(corpus, vocab_size=300, special_tokens=[EOT, "<|pad|>"])
     assert tok.vocab_size == 300 and len(tok.merges) == 42
@@ -170,7 +181,7 @@ def test_safe_pieces_chunk_like_the_whole_text(parts, pattern, min_chars):
     assert [c for p in pieces for c in chunks(p)] == chunks(text)
 
 
-def test_progress_bar_on_stderr(capsys):
+def test_progress_bar_on_stderr(capsys, merge_loop):
     BPETokenizer.train("abcd abcd abce " * 20, vocab_size=262, progress=True)
     err = capsys.readouterr().err
     assert "6/6" in err

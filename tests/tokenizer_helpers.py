@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenizer import BPETokenizer
+from tokenizer import BPETokenizer, bpe_train
 from tokenizer.gpt2_files import decode_token
 from tokenizer.pretokenize import PATTERNS
 
@@ -28,6 +28,17 @@ def data_file(*parts: str) -> Path:
     if not path.is_file():
         pytest.skip(f"test data not found: {path}")
     return path
+
+
+def use_merge_loop(monkeypatch: pytest.MonkeyPatch, loop: str) -> None:
+    """Make `train_merges` run the "compiled" or the "python" merge loop (skip if not built)."""
+    if loop == "python":
+        monkeypatch.setenv("TINYLLM_PURE_PYTHON", "1")
+        return
+    if bpe_train._train_core is None:
+        pytest.skip("tokenizer._train_core is not built (no C compiler at install time)")
+    monkeypatch.delenv("TINYLLM_PURE_PYTHON", raising=False)
+    assert bpe_train.compiled_merge_loop()
 
 
 def gpt2_paths() -> tuple[Path, Path]:

@@ -5,6 +5,11 @@ pair rewrites two links and kills the right symbol, nothing is copied. Pair coun
 pair, the set of positions where it starts are updated incrementally, so a merge touches only
 the chunks that hold the pair. The best pair comes from a max-heap with lazy deletion.
 
+The same loop is compiled in `tokenizer/csrc/train_core.c` (module `tokenizer._train_core`,
+built by `pip install` where a C compiler is available). `train_merges` uses it when it is
+importable, unless the environment variable TINYLLM_PURE_PYTHON is set to 1; the Python loop
+below stays the readable reference and the fallback, and gives the same merges.
+
     >>> from collections import Counter
     >>> train_merges(Counter({"low": 5, "lower": 2, "newest": 6, "widest": 3}), 3)
     [(b's', b't'), (b'e', b'st'), (b'o', b'w')]
@@ -13,10 +18,16 @@ the chunks that hold the pair. The best pair comes from a max-heap with lazy del
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+import os
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 
 from tokenizer.progress import ProgressBar
+
+try:
+    from tokenizer import _train_core
+except ImportError:  # not built (no C compiler at install time): the Python loop runs
+    _train_core = None
 
 Merges = list[tuple[bytes, bytes]]
 
@@ -35,13 +46,37 @@ def _descending_key(token: bytes) -> str:
     return "".join([chr(256 - b) for b in token]) + chr(257)
 
 
+def compiled_merge_loop() -> bool:
+    """True when `train_merges` runs the compiled loop (built, and not switched off)."""
+    return _train_core is not None and os.environ.get("TINYLLM_PURE_PYTHON") != "1"
+
+
 def train_merges(
     chunk_counts: Mapping[str, int], num_merges: int, progress: bool = False
 ) -> Merges:
     """Learn up to `num_merges` merges from chunk -> count (fewer if the pairs run out).
 
-    Token ids during training: 0..255 are the bytes, 256 + k the k-th merge.
+    Token ids during training: 0..255 are the bytes, 256 + k the k-th merge. Chunks with a
+    count <= 0 do not occur in the corpus and take part in no pair.
     """
+    bar = ProgressBar(num_merges, desc="BPE merges", enabled=progress)
+    merges = None
+    if compiled_merge_loop():
+        plain = type(chunk_counts) in (dict, Counter)
+        counts = chunk_counts if plain else dict(chunk_counts.items())  # what Python iterates
+        # None: an input the compiled loop does not take (e.g. counts beyond int64); it has
+        # not touched the bar then.
+        merges = _train_core.train_merges(counts, num_merges, bar.update if progress else None)
+    if merges is None:
+        merges = _train_merges_python(chunk_counts, num_merges, bar)
+    bar.close()
+    return merges
+
+
+def _train_merges_python(
+    chunk_counts: Mapping[str, int], num_merges: int, bar: ProgressBar
+) -> Merges:
+    """The reference loop (see the module docstring)."""
     tokens = [bytes([b]) for b in range(256)]
     order = [_descending_key(t) for t in tokens]
 
@@ -53,8 +88,8 @@ def train_merges(
     for chunk, count in chunk_counts.items():
         data = chunk.encode("utf-8")
         n = len(data)
-        if n < 2:
-            continue  # a single byte never takes part in a pair
+        if n < 2 or count <= 0:
+            continue  # a single byte never takes part in a pair, nor a chunk that never occurs
         base = len(sym)
         sym.extend(data)
         weight.extend([count] * n)
@@ -74,7 +109,6 @@ def train_merges(
     heapq.heapify(heap)
 
     merges: Merges = []
-    bar = ProgressBar(num_merges, desc="BPE merges", enabled=progress)
     while len(merges) < num_merges and heap:
         neg, _, _, key = heap[0]
         current = counts.get(key, 0)
@@ -93,7 +127,6 @@ def train_merges(
         merges.append((tokens[a], tokens[b]))
         _apply_merge(key, a, b, new, sym, nxt, prv, weight, counts, where, heap, order)
         bar.update()
-    bar.close()
     return merges
 
 
