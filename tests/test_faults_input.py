@@ -323,8 +323,9 @@ def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, capsys,
 
 
 def test_memory_lower_bound_admits_the_shipped_configs():
-    """The estimate is a lower bound: the shipped models fit where they are meant to run
-    (the 124M GPT-2 config on one 80 GB GPU, the others in a few GB of RAM)."""
+    """The estimate is a lower bound: the shipped models pass where they are meant to run (the
+    124M GPT-2 config on one 80 GB GPU, where JAX's allocator takes 75% of it: about 58 GiB;
+    the others in a few GB of RAM)."""
     from configs.schema import load_config
     from model.memory import training_bytes
 
@@ -333,7 +334,7 @@ def test_memory_lower_bound_admits_the_shipped_configs():
         vocab = {"bpe": cfg.tokenizer.vocab_size, "char": 65, "gpt2": 50258}[cfg.tokenizer.kind]
         model = dataclasses.replace(cfg.model, vocab_size=vocab)
         need = training_bytes(model, cfg.train.batch_size // cfg.train.grad_accum)
-        limit = 70 * 2**30 if cfg.name == "gpt2_124m" else 4 * 2**30
+        limit = 58 * 2**30 if cfg.name == "gpt2_124m" else 4 * 2**30
         assert 0 < need < limit, (cfg.name, need / 2**30)
 
 
