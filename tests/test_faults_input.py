@@ -225,6 +225,13 @@ def test_input_name_that_is_not_utf8(tmp_path, capsys, text_file):
     assert err.count("\n") == 1 and "n\\xffame.txt" in err
     assert not out.exists()
 
+    # A run directory so named would fail deep in a checkpoint save (tensorstore wants UTF-8).
+    bad_out = tmp_path / os.fsdecode(b"r\xffun")
+    for stages in (["--tokenize", "--train"], ["--inference"]):
+        code, lines = run_main(capsys, *stages, *CHAR, "--input", text_file, "--out", bad_out)
+        assert_one_line_error(code, lines, "r\\xffun", "not a UTF-8 path")
+    assert not bad_out.exists()
+
 
 # -- --input stops at the first dotted key=value ---------------------------------------------
 
