@@ -245,10 +245,12 @@ def run(args: argparse.Namespace) -> int:
     if args.no_kv_cache:
         cfg.sample.kv_cache = False
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
-    if args.tokenize or args.train:
-        from model.run_dir import check_out_dir
+    from model.run_dir import check_out_dir, check_run_dir, check_utf8_path
 
+    check_utf8_path(run_dir)
+    if args.tokenize or args.train:
         check_out_dir(run_dir)  # a file, under a file, read-only: before JAX loads or a stage runs
+        check_run_dir(run_dir, args.tokenize, args.train, args.resume)  # again under the lock
     if args.train:
         from model.cpu_devices import configure_cpu_devices
 

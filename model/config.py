@@ -135,7 +135,8 @@ class ModelConfig:
             )
         if not isinstance(self.moe_hidden, int) or not 0 <= self.moe_hidden <= MAX_DIM:
             raise UsageError(
-                f"model.moe_hidden must be an integer in 0..{MAX_DIM}, got {self.moe_hidden!r}"
+                f"model.moe_hidden must be an integer >= 0 (at most {MAX_DIM}), "
+                f"got {self.moe_hidden!r}"
             )
         for name in ("moe_aux_weight", "moe_z_weight", "moe_capacity_factor"):
             value = getattr(self, name)

@@ -62,6 +62,18 @@ def check_run_dir(run_dir: Path, tokenize: bool, train: bool, resume: bool) -> N
         )
 
 
+def check_utf8_path(run_dir: Path) -> None:
+    """The run directory's full path must be UTF-8: the checkpoint library (tensorstore) takes
+    paths as UTF-8 text, and fails with a traceback deep in a save on anything else."""
+    try:
+        str(Path(run_dir).absolute()).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(Path(run_dir).absolute()).decode("utf-8", errors="backslashreplace")
+        raise UsageError(
+            f"the run directory {shown} is not a UTF-8 path: pick another --out"
+        ) from None
+
+
 def check_out_dir(run_dir: Path) -> None:
     """Refuse, before any stage runs, a run directory that cannot be written: a file, a path
     under a file or a dangling link, or a directory (or the nearest existing parent of a new
@@ -71,6 +83,7 @@ def check_out_dir(run_dir: Path) -> None:
     >>> check_out_dir(Path(tempfile.mkdtemp()) / "new" / "run")  # creatable: no error
     """
     run_dir = Path(run_dir)
+    check_utf8_path(run_dir)
     existing = run_dir
     while not existing.exists():  # the nearest part of the path that is there
         if existing.is_symlink():

@@ -225,6 +225,13 @@ def test_input_name_that_is_not_utf8(tmp_path, capsys, text_file):
     assert err.count("\n") == 1 and "n\\xffame.txt" in err
     assert not out.exists()
 
+    # A run directory so named would fail deep in a checkpoint save (tensorstore wants UTF-8).
+    bad_out = tmp_path / os.fsdecode(b"r\xffun")
+    for stages in (["--tokenize", "--train"], ["--inference"]):
+        code, lines = run_main(capsys, *stages, *CHAR, "--input", text_file, "--out", bad_out)
+        assert_one_line_error(code, lines, "r\\xffun", "not a UTF-8 path")
+    assert not bad_out.exists()
+
 
 # -- --input stops at the first dotted key=value ---------------------------------------------
 
@@ -323,8 +330,9 @@ def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, capsys,
 
 
 def test_memory_lower_bound_admits_the_shipped_configs():
-    """The estimate is a lower bound: the shipped models fit where they are meant to run
-    (the 124M GPT-2 config on one 80 GB GPU, the others in a few GB of RAM)."""
+    """The estimate is a lower bound: the shipped models pass where they are meant to run (the
+    124M GPT-2 config on one 80 GB GPU, where JAX's allocator takes 75% of it: about 58 GiB;
+    the others in a few GB of RAM)."""
     from configs.schema import load_config
     from model.memory import training_bytes
 
@@ -333,7 +341,7 @@ def test_memory_lower_bound_admits_the_shipped_configs():
         vocab = {"bpe": cfg.tokenizer.vocab_size, "char": 65, "gpt2": 50258}[cfg.tokenizer.kind]
         model = dataclasses.replace(cfg.model, vocab_size=vocab)
         need = training_bytes(model, cfg.train.batch_size // cfg.train.grad_accum)
-        limit = 70 * 2**30 if cfg.name == "gpt2_124m" else 4 * 2**30
+        limit = 58 * 2**30 if cfg.name == "gpt2_124m" else 4 * 2**30
         assert 0 < need < limit, (cfg.name, need / 2**30)
 
 
