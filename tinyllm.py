@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizer.errors import TrainingDiverged, UsageError
 
     raise_on_sigterm()  # SIGTERM unwinds like Ctrl-C: temp files are removed on the way out
+    if not args.debug:
+        quiet_background_errors()
     try:
         return run(args)
     except UsageError as err:
@@ -214,6 +217,24 @@ def is_out_of_memory(err: Exception) -> bool:
     return bool(names & {"XlaRuntimeError", "JaxRuntimeError"}) and (
         "RESOURCE_EXHAUSTED" in str(err)
     )
+
+
+def quiet_background_errors() -> None:
+    """A failed background checkpoint write (a full disk) reaches the CLI as one error line
+    (model.checkpoint), but orbax first logs it from its threads as absl and asyncio ERROR
+    lines with tracebacks, and its closed event loops report "Event loop is closed" as
+    unraisable exceptions. Silence those echoes; every other exception keeps its traceback."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def enable_compilation_cache() -> None:

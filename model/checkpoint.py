@@ -23,7 +23,10 @@ checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -38,6 +41,12 @@ import orbax.checkpoint as ocp
 from model.run_dir import CHECKPOINT_DIR, checkpoint_steps, has_checkpoint  # noqa: F401
 from tokenizer.errors import UsageError
 
+_DISK_ERRORS = {
+    "No space left on device": errno.ENOSPC,
+    "Read-only file system": errno.EROFS,
+    "Permission denied": errno.EACCES,
+    "Disk quota exceeded": errno.EDQUOT,
+}
 DAMAGED_DIR = "damaged-checkpoints"  # beside checkpoints/: damaged steps moved aside
 DELETING_SUBDIR = ".deleting"  # inside checkpoints/: old steps renamed here, then removed
 T = TypeVar("T")
@@ -83,7 +92,8 @@ class Checkpoints:
             checksums["opt_state"] = tree_checksums(opt_state)
             args["opt_state"] = ocp.args.StandardSave(opt_state)
         args["meta"] = ocp.args.JsonSave({**meta, "checksums": checksums})
-        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        with self._disk_errors():
+            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
 
     def read_meta(self, step: int) -> dict:
         """The JSON record of `step`; CheckpointDamaged if it is missing or unreadable."""
@@ -179,6 +189,22 @@ class Checkpoints:
         self._manager.reload()  # forget the step orbax may have listed
         return target
 
+    @contextlib.contextmanager
+    def _disk_errors(self):
+        """orbax and TensorStore report a full or read-only disk as ValueError or
+        RuntimeError text (often from the thread that writes asynchronously): turn those into
+        the OSError they are, naming the checkpoint directory, so the CLI prints one line."""
+        try:
+            yield
+        except OSError:
+            raise
+        except Exception as err:
+            text = str(err)
+            for marker, code in _DISK_ERRORS.items():
+                if marker in text:
+                    raise OSError(code, os.strerror(code), str(self.directory)) from err
+            raise
+
     def remove_leftovers(self) -> None:
         """Clear what a killed writer left: orbax temp directories and half-done deletions.
         Only for the writer that holds the run-directory lock."""
@@ -189,11 +215,16 @@ class Checkpoints:
                 shutil.rmtree(path, ignore_errors=True)
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._disk_errors():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            with self._disk_errors():
+                self._manager.wait_until_finished()
+        finally:  # stop orbax's threads even when the last write failed
+            with contextlib.suppress(Exception):
+                self._manager.close()
         if not self.read_only:
             shutil.rmtree(self.directory / DELETING_SUBDIR, ignore_errors=True)
 

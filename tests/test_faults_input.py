@@ -166,6 +166,30 @@ def test_read_only_and_full_file_systems(tmp_path, text_file):
     assert (ro / "tokenizer.pkl").read_bytes() == b"old"
 
 
+def test_disk_full_while_a_checkpoint_is_written_is_one_line(tmp_path):
+    """orbax writes checkpoints from background threads and reports ENOSPC as a ValueError
+    after logging it: the CLI still says it in one line, with no traceback or log echo."""
+    words = tmp_path / "words.txt"
+    words.write_text(" ".join(["to be or not to be that is the question"] * 40) * 30)
+    run = tmp_path / "full" / "run"
+    tiny = "model.n_layer=1 model.n_head=2 model.n_embd=32 model.block_size=16 "
+    tiny += "train.batch_size=4 train.max_steps=8 train.eval_interval=4 train.eval_steps=2 "
+    tiny += "train.cpu_devices=1"
+    cli = f"{shlex.quote(sys.executable)} {shlex.quote(str(ROOT / 'tinyllm.py'))}"
+    cli += f" --tokenize --train {CHAR[0]} {CHAR[1]} --out {run} {tiny}"
+    cli += f" --input {shlex.quote(str(words))}"
+    script = f"""
+        mkdir -p {tmp_path}/full && mount -t tmpfs -o size=400k tmpfs {tmp_path}/full || exit 91
+        {cli}; echo "CODE=$?"
+    """
+    proc = _in_private_mount(script, tmp_path)
+    assert "CODE=2" in proc.stdout, (proc.stdout, proc.stderr)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("tinyllm: error:")]
+    assert len(errors) == 1 and "No space left on device" in errors[0], proc.stderr
+    assert "checkpoints" in errors[0]
+    assert "Traceback" not in proc.stderr and "ERROR:" not in proc.stderr, proc.stderr
+
+
 def test_os_error_inside_a_stage_is_one_line(tmp_path, capsys, text_file):
     """tokenizer.pkl is a directory: the save fails with IsADirectoryError, an OSError the
     early checks cannot foresee. One line naming the path; --debug gives the traceback."""
