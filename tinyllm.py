@@ -136,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("tinyllm: interrupted\n")
         return 130
+    except Exception as err:
+        from model.distributed import stop_after_peer_failure
+
+        stop_after_peer_failure(err)  # several processes: a lost peer is one line, exit 1
+        raise
 
 
 def enable_compilation_cache() -> None:
@@ -167,12 +172,17 @@ def run(args: argparse.Namespace) -> int:
     if args.no_kv_cache:
         cfg.sample.kv_cache = False
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
+    from model.distributed import check_single_process_stages, multi_process_requested
+
+    check_single_process_stages(args.tokenize, args.inference)
     if args.train:
         from model.cpu_devices import configure_cpu_devices
 
-        # Before JAX starts its backend: on CPU, one device per core (data parallel).
+        # Before JAX starts its backend: on CPU, one device per core (data parallel); with
+        # several processes (maybe on one machine), one device each unless the config says.
         t = cfg.train
-        configure_cpu_devices(t.cpu_devices, t.batch_size // t.grad_accum)
+        requested = t.cpu_devices or (1 if multi_process_requested() else 0)
+        configure_cpu_devices(requested, t.batch_size // t.grad_accum)
     if args.train or args.inference:
         enable_compilation_cache()
 
@@ -197,4 +207,9 @@ def run(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    sys.exit(main())
+    code = main()
+    if code:
+        from model.distributed import exit_if_distributed
+
+        exit_if_distributed(code)  # several processes: do not wait for peers at shutdown
+    sys.exit(code)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from model.distributed import is_primary, wait_for_primary
 from tokenizer.atomic import write_atomic
 from tokenizer.errors import UsageError
 
@@ -69,7 +70,10 @@ def load_token_splits(
     meta_path = cache / "meta.json"
     meta = _read_meta(meta_path)
     if meta is None or meta.get("key") != key:
-        meta = _build_cache(corpus, tokenizer, cache, key)
+        if is_primary():
+            meta = _build_cache(corpus, tokenizer, cache, key)
+        else:  # several processes: process 0 builds the cache, the others read it
+            meta = wait_for_primary(lambda: _meta_if_key(meta_path, key), f"the cache {cache}")
     tokens = np.memmap(cache / "tokens.bin", dtype=meta["dtype"], mode="r")
     n = len(tokens)
     n_val = int(n * val_fraction)
@@ -95,6 +99,11 @@ def _read_meta(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _meta_if_key(path: Path, key: dict) -> dict | None:
+    meta = _read_meta(path)
+    return meta if meta is not None and meta.get("key") == key else None
 
 
 def _build_cache(corpus, tokenizer, cache: Path, key: dict) -> dict:

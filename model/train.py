@@ -26,6 +26,7 @@ from configs.schema import Config, config_from_dict
 from model.checkpoint import Checkpoints
 from model.config import ModelConfig
 from model.data import TokenSplits, file_sha256, load_token_splits, sample_batch
+from model.distributed import is_primary
 from model.gpt import GPT, count_params, flops_per_token
 from model.metrics import MetricsLog, Progress, bits_per_byte, peak_flops, plot_losses
 from model.optim import make_optimizer
@@ -223,7 +224,8 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
             start_step, trainer.params, trainer.opt_state
         )
     resolved = _resolved(cfg, model_cfg)
-    _write_json(run_dir / CONFIG_FILE, resolved)
+    if is_primary():  # several processes: process 0 writes the run's files
+        _write_json(run_dir / CONFIG_FILE, resolved)
     device = jax.devices()[0]
     print(
         f"train: {trainer.n_params / 1e6:.2f}M parameters, {len(splits.train):,} train / "
