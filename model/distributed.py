@@ -36,6 +36,7 @@ WAIT_TIMEOUT = "TINYLLM_WAIT_TIMEOUT_S"  # how long processes wait for process 0
 DEFAULT_HEARTBEAT_S = 30  # JAX's default is 100 s: a dead peer would stall the others longer
 DEFAULT_INIT_S = 300
 DEFAULT_WAIT_S = 3600  # encoding a large corpus into the token cache takes a while
+COORDINATOR_GRACE_S = 2.0
 
 # Launcher variables that carry this process's index, in the order JAX's detection uses them.
 _INDEX_VARS = ("JAX_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "TPU_WORKER_ID")
@@ -266,4 +267,28 @@ def exit_if_distributed(code: int) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    if jax.process_index() == 0:
+        # Process 0 hosts JAX's coordination service: peers that stop at the same time (an
+        # agreed Ctrl-C, the same error everywhere) get to print their own line before it goes.
+        time.sleep(COORDINATOR_GRACE_S)
     os._exit(code)
+
+
+def stop_agreed(requested: bool, step: int, every: int) -> bool:
+    """Whether the training loop stops before `step`: the same answer in every process.
+
+    One process: `requested` (Ctrl-C) at once. Several: a Ctrl-C reaches one process, or all
+    at slightly different steps, yet the checkpoint that follows is collective, so they agree
+    by a tiny all-gather at steps that are multiples of `every` (a host sync, so not every
+    step). Every process must call this at the same steps, as the loop does.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return requested
+    if step % max(every, 1):
+        return False
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(requested))))

@@ -26,7 +26,7 @@ from configs.schema import Config, config_from_dict
 from model.checkpoint import Checkpoints
 from model.config import ModelConfig
 from model.data import TokenSplits, file_sha256, load_token_splits, sample_batch
-from model.distributed import is_primary
+from model.distributed import is_primary, stop_agreed
 from model.gpt import GPT, count_params, flops_per_token
 from model.metrics import MetricsLog, Progress, bits_per_byte, peak_flops, plot_losses
 from model.optim import make_optimizer
@@ -266,6 +266,7 @@ def _loop(trainer, splits, checkpoints, run_dir, start_step, meta: dict) -> dict
     pending = None  # (step, metrics on device): fetched one step late so dispatch never waits
     record: dict = {}
     step = start_step
+    stop, every = False, t.log_interval
 
     def flush() -> None:
         nonlocal pending, record
@@ -276,7 +277,8 @@ def _loop(trainer, splits, checkpoints, run_dir, start_step, meta: dict) -> dict
             pending = None
 
     try:
-        while step < t.max_steps and not interrupted:
+        # stop_agreed: with several processes, all stop at the same step (see there).
+        while step < t.max_steps and not (stop := stop_agreed(bool(interrupted), step, every)):
             x, y = trainer.batch(splits.train, step)
             trainer.params, trainer.opt_state, metrics = trainer.train_step(
                 trainer.params, trainer.opt_state, x, y, step
@@ -298,7 +300,7 @@ def _loop(trainer, splits, checkpoints, run_dir, start_step, meta: dict) -> dict
                     record.update(eval_record)
                     last["time"] = time.perf_counter()  # eval time is not training throughput
                 checkpoints.save(step, trainer.params, trainer.opt_state, {**meta, "step": step})
-        if interrupted and step > start_step:
+        if stop and step > start_step:
             flush()
             checkpoints.save(step, trainer.params, trainer.opt_state, {**meta, "step": step})
             checkpoints.wait()

@@ -9,6 +9,7 @@ rules and the waits are unit-tested without JAX.
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -102,10 +103,24 @@ def finish(procs) -> list[str]:
             outputs.append(log.read_text())
             assert proc.returncode == 0, outputs[-1][-3000:]
     finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
+        stop_all(procs)
     return outputs
+
+
+def wait_for_steps(run_dir: Path, procs, n: int) -> None:
+    """Until process 0 has logged n training steps (so both processes are training)."""
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while len(steps_of(run_dir, "train_loss")) < n:
+        assert all(p.poll() is None for p, _ in procs), procs[0][1].read_text()[-2000:]
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
+
+
+def stop_all(procs) -> None:
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def steps_of(run_dir: Path, field: str) -> list[tuple[int, float]]:
@@ -153,20 +168,13 @@ def test_a_killed_process_stops_the_other(tmp_path, corpus_file, single_run, vic
     procs = launch(run_dir, corpus_file, "train.max_steps=1000000", "train.eval_interval=1000000")
     survivor, survivor_log = procs[1 - victim]
     try:
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while len(steps_of(run_dir, "train_loss")) < 3:  # both are training
-            assert all(p.poll() is None for p, _ in procs), procs[0][1].read_text()[-2000:]
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.2)
+        wait_for_steps(run_dir, procs, 3)
         os.kill(procs[victim][0].pid, signal.SIGKILL)
         killed_at = time.monotonic()
         survivor.wait(timeout=60)
         waited = time.monotonic() - killed_at
     finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop_all(procs)
     out = survivor_log.read_text()
     assert survivor.returncode != 0 and waited < 60
     assert "Traceback" not in out, out[-3000:]
@@ -175,6 +183,23 @@ def test_a_killed_process_stops_the_other(tmp_path, corpus_file, single_run, vic
     ours = f"tinyllm: error: training process {1 - victim} lost another training process"
     theirs = "Terminating process because the JAX distributed service detected fatal errors"
     assert ours in out or theirs in out, out[-3000:]
+
+
+def test_ctrl_c_in_one_process_stops_all_at_the_same_step(tmp_path, corpus_file, single_run):
+    run_dir = tokenized_copy(single_run, tmp_path / "run")
+    procs = launch(run_dir, corpus_file, "train.max_steps=1000000", "train.eval_interval=1000000")
+    try:
+        wait_for_steps(run_dir, procs, 3)
+        os.kill(procs[1][0].pid, signal.SIGINT)  # Ctrl-C reaches process 1 only
+        for proc, _ in procs:
+            proc.wait(timeout=60)
+    finally:
+        stop_all(procs)
+    outputs = [log.read_text() for _, log in procs]
+    assert [p.returncode for p, _ in procs] == [130, 130], outputs[0][-2000:] + outputs[1][-2000:]
+    saved = [re.search(r"interrupted: saved a checkpoint at step (\d+)", out) for out in outputs]
+    assert all(saved) and saved[0].group(1) == saved[1].group(1)
+    assert Checkpoints(run_dir).latest_step() == int(saved[0].group(1))
 
 
 def run_main(capsys, *argv) -> tuple[int, list[str]]:
