@@ -186,8 +186,16 @@ def test_a_killed_process_stops_the_other(tmp_path, corpus_file, single_run, vic
 
 
 def test_ctrl_c_in_one_process_stops_all_at_the_same_step(tmp_path, corpus_file, single_run):
+    """Also: two CPU devices per process (4 in all, one row of the global batch each) give
+    the single-device losses."""
     run_dir = tokenized_copy(single_run, tmp_path / "run")
-    procs = launch(run_dir, corpus_file, "train.max_steps=1000000", "train.eval_interval=1000000")
+    procs = launch(
+        run_dir,
+        corpus_file,
+        "train.max_steps=1000000",
+        "train.eval_interval=1000000",
+        "train.cpu_devices=2",
+    )
     try:
         wait_for_steps(run_dir, procs, 3)
         os.kill(procs[1][0].pid, signal.SIGINT)  # Ctrl-C reaches process 1 only
@@ -200,6 +208,13 @@ def test_ctrl_c_in_one_process_stops_all_at_the_same_step(tmp_path, corpus_file,
     saved = [re.search(r"interrupted: saved a checkpoint at step (\d+)", out) for out in outputs]
     assert all(saved) and saved[0].group(1) == saved[1].group(1)
     assert Checkpoints(run_dir).latest_step() == int(saved[0].group(1))
+    assert all("4 x cpu" in out for out in outputs)
+    reference = dict(steps_of(single_run, "train_loss"))  # the schedule ends at step 8
+    train = [(s, loss) for s, loss in steps_of(run_dir, "train_loss") if s in reference]
+    assert [s for s, _ in train] == list(range(1, len(train) + 1)) and len(train) >= 3
+    np.testing.assert_allclose(
+        [loss for _, loss in train], [reference[s] for s, _ in train], rtol=2e-5, atol=2e-6
+    )
 
 
 def run_main(capsys, *argv) -> tuple[int, list[str]]:
