@@ -170,14 +170,13 @@ def initialize_from_env() -> bool:
     kwargs = initialize_kwargs()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
+        # Processes that never meet end in JAX's own abort after initialization_timeout.
         jax.distributed.initialize(**kwargs)
-    except Exception as err:  # the coordinator never answered, or a cluster was not found
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        where = kwargs.get("coordinator_address", "the coordinator JAX detects")
+    except ValueError as err:  # no cluster detected to fill in what the variables do not say
         raise UsageError(
-            f"could not start the {kwargs.get('num_processes', 'N')} training processes "
-            f"through {where} within {kwargs['initialization_timeout']} s: start every "
-            f"process with the same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES ({first})"
+            f"{SWITCH}=1 but JAX detected no cluster (TPU pod, SLURM, Open MPI) to start the "
+            "training processes from: set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
+            f"JAX_PROCESS_ID on every process ({err})"
         ) from None
     return True
 
@@ -212,9 +211,9 @@ def wait_for_primary(
     while (value := ready()) is None:
         if time.monotonic() > deadline:
             raise UsageError(
-                f"waited {timeout_s:g} s for process 0 to write {what}: is process 0 running "
-                f"the same command on the same run directory? (raise {WAIT_TIMEOUT} for a "
-                "large corpus)"
+                f"waited {timeout_s:g} s for process 0 to write {what}: every process needs "
+                "the same command and a run directory they all see (on several hosts, a shared "
+                f"filesystem); raise {WAIT_TIMEOUT} for a large corpus"
             )
         time.sleep(poll_s)
     return value

@@ -239,6 +239,27 @@ def test_single_process_stages_are_refused_in_a_multi_process_launch(
     assert not out.exists()
 
 
+def test_asking_for_cluster_detection_without_a_cluster_is_one_line(
+    tmp_path, corpus_file, single_run
+):
+    env = {k: v for k, v in os.environ.items() if k not in JAX_VARS}
+    run_dir = tokenized_copy(single_run, tmp_path / "run")
+    config = ["--config", str(ROOT / "configs" / "shakespeare_char.toml")]
+    cmd = [sys.executable, str(ROOT / "tinyllm.py"), "--train", *config, "--out", str(run_dir)]
+    cmd += ["--input", str(corpus_file), *TINY]
+    proc = subprocess.run(
+        cmd, env={**env, "TINYLLM_DISTRIBUTED": "1"}, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "tinyllm: error: TINYLLM_DISTRIBUTED=1 but JAX detected no cluster (TPU pod, SLURM, "
+        "Open MPI) to start the training processes from: set JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process (coordinator_address should be "
+        "defined.)"
+    ]
+    assert [p.name for p in run_dir.iterdir()] == [TOKENIZER_FILE]  # nothing written
+
+
 def test_launcher_environment_is_read_without_jax():
     jax_vars = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4"}
     assert process_index_from_env({**jax_vars, "JAX_PROCESS_ID": "3"}) == 3
