@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"tinyllm: error: {printable(os_error_line(err))}\n")
         return 2
     except Exception as err:
+        from model.distributed import stop_after_peer_failure
+
+        stop_after_peer_failure(err)  # several processes: a lost peer is one line, exit 1
         if args.debug or not is_out_of_memory(err):
             raise
         sys.stderr.write(
@@ -266,6 +269,9 @@ def run(args: argparse.Namespace) -> int:
     if args.no_kv_cache:
         cfg.sample.kv_cache = False
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
+    from model.distributed import check_single_process_stages, multi_process_requested
+
+    check_single_process_stages(args.tokenize, args.inference)
     from model.run_dir import check_out_dir, check_run_dir, check_utf8_path
 
     check_utf8_path(run_dir)
@@ -275,9 +281,11 @@ def run(args: argparse.Namespace) -> int:
     if args.train:
         from model.cpu_devices import configure_cpu_devices
 
-        # Before JAX starts its backend: on CPU, one device per core (data parallel).
+        # Before JAX starts its backend: on CPU, one device per core (data parallel); with
+        # several processes (maybe on one machine), one device each unless the config says.
         t = cfg.train
-        configure_cpu_devices(t.cpu_devices, t.batch_size // t.grad_accum)
+        requested = t.cpu_devices or (1 if multi_process_requested() else 0)
+        configure_cpu_devices(requested, t.batch_size // t.grad_accum)
     if args.train or args.inference:
         enable_compilation_cache()
 
@@ -292,9 +300,16 @@ def run_dir_lock(run_dir: Path):
     (multi-host training) only process 0 writes the run directory, so only it locks."""
     from model.run_lock import RunLock
 
-    if os.environ.get("JAX_PROCESS_ID", "0").strip() not in ("", "0"):
-        return contextlib.nullcontext()
-    return RunLock(run_dir)
+    return RunLock(run_dir) if primary_before_jax() else contextlib.nullcontext()
+
+
+def primary_before_jax() -> bool:
+    """Whether this process writes the run directory, decided from the launcher's variables
+    before JAX starts: one process, or process 0 of several. A multi-process launch that
+    names no index (a TPU pod's workers) takes no lock and leaves cleaning to training."""
+    from model.distributed import multi_process_requested, process_index_from_env
+
+    return not multi_process_requested() or process_index_from_env() == 0
 
 
 def run_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
@@ -303,7 +318,8 @@ def run_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
         from tokenizer.atomic import remove_atomic_leftovers
 
         check_run_dir(run_dir, args.tokenize, args.train, args.resume)
-        remove_atomic_leftovers(run_dir)  # a killed writer's temp files (we hold the lock)
+        if primary_before_jax():
+            remove_atomic_leftovers(run_dir)  # a killed writer's temp files (we hold the lock)
     if args.tokenize:
         from tokenizer.stage import run_tokenize
 
@@ -320,4 +336,9 @@ def run_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    sys.exit(main())
+    code = main()
+    if code:
+        from model.distributed import exit_if_distributed
+
+        exit_if_distributed(code)  # several processes: do not wait for peers at shutdown
+    sys.exit(code)

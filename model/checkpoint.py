@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from model.distributed import is_primary
 from model.run_dir import CHECKPOINT_DIR, checkpoint_steps, has_checkpoint  # noqa: F401
 from tokenizer.errors import UsageError
 
@@ -159,7 +160,7 @@ class Checkpoints:
                     f"damaged ({err}); trying an older one\n"
                 )
                 continue
-            if not self.read_only:
+            if not self.read_only and is_primary():
                 for bad, _ in damaged:
                     where = self._quarantine(bad)
                     if where is not None:
@@ -225,7 +226,7 @@ class Checkpoints:
         finally:  # stop orbax's threads even when the last write failed
             with contextlib.suppress(Exception):
                 self._manager.close()
-        if not self.read_only:
+        if not self.read_only and is_primary():
             shutil.rmtree(self.directory / DELETING_SUBDIR, ignore_errors=True)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from model.distributed import is_primary, wait_for_primary
 from tokenizer.atomic import write_atomic
 from tokenizer.errors import UsageError
 
@@ -69,14 +70,20 @@ def load_token_splits(
     }
     meta_path = cache / "meta.json"
     meta = _read_meta(meta_path)
-    problem = "" if meta is None else cache_problem(cache, meta, tokenizer.vocab_size)
-    if meta is not None and meta.get("key") == key and problem:
-        print(f"encode: the token cache in {cache} is damaged ({problem}): rebuilding it",
-              file=sys.stderr)  # fmt: skip
-    if meta is None or meta.get("key") != key or problem:
-        meta = _build_cache(corpus, tokenizer, cache, key)
-        meta["crc32"] = file_crc32(cache / "tokens.bin")
-        write_atomic(meta_path, json.dumps(meta, indent=1))
+    if not is_primary():  # several processes: process 0 builds the cache, the others read it
+        meta = wait_for_primary(
+            lambda: _meta_if_whole(cache, meta_path, key, tokenizer.vocab_size),
+            f"the cache {cache}",
+        )
+    else:
+        problem = "" if meta is None else cache_problem(cache, meta, tokenizer.vocab_size)
+        if meta is not None and meta.get("key") == key and problem:
+            print(f"encode: the token cache in {cache} is damaged ({problem}): rebuilding it",
+                  file=sys.stderr)  # fmt: skip
+        if meta is None or meta.get("key") != key or problem:
+            meta = _build_cache(corpus, tokenizer, cache, key)
+            meta["crc32"] = file_crc32(cache / "tokens.bin")
+            write_atomic(meta_path, json.dumps(meta, indent=1))
     tokens = np.memmap(cache / "tokens.bin", dtype=meta["dtype"], mode="r")
     n = len(tokens)
     n_val = int(n * val_fraction)
@@ -88,7 +95,7 @@ def load_token_splits(
     return TokenSplits(train=train, val=val, val_bytes=byte_count(tokenizer, val))
 
 
-def cache_problem(cache: Path, meta: dict, vocab_size: int) -> str:
+def cache_problem(cache: Path, meta: dict, vocab_size: int, check_crc: bool = True) -> str:
     """'' if the token cache is whole, else what is wrong with it: its dtype must be uint16
     or uint32 (wide enough for the vocab), tokens.bin must hold exactly n_tokens of it, and
     its CRC-32 must match the one recorded when it was built."""
@@ -108,7 +115,7 @@ def cache_problem(cache: Path, meta: dict, vocab_size: int) -> str:
     if size != expected:
         return f"tokens.bin has {size:,} bytes, {n_tokens:,} {dtype} tokens need {expected:,}"
     crc = meta.get("crc32")
-    if crc is not None and crc != file_crc32(path):
+    if check_crc and crc is not None and crc != file_crc32(path):
         return "tokens.bin does not match its checksum"
     return ""
 
@@ -147,6 +154,15 @@ def _read_meta(path: Path) -> dict | None:
     except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
         return None
     return meta if isinstance(meta, dict) else None
+
+
+def _meta_if_whole(cache: Path, path: Path, key: dict, vocab_size: int) -> dict | None:
+    """The cache's record once process 0 has built it for `key` (the size is checked; the
+    CRC-32 was checked by process 0 when it wrote the record)."""
+    meta = _read_meta(path)
+    if meta is None or meta.get("key") != key:
+        return None
+    return meta if not cache_problem(cache, meta, vocab_size, check_crc=False) else None
 
 
 def _build_cache(corpus, tokenizer, cache: Path, key: dict) -> dict:

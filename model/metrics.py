@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from model.distributed import is_primary
 from tokenizer.atomic import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
@@ -53,6 +54,9 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, resume_step: int | None):
         self.path = Path(run_dir) / METRICS_FILE
+        self._file = None
+        if not is_primary():  # several processes: process 0 writes the file
+            return
         kept = []
         if resume_step is not None:
             kept = [r for r in read_metrics(run_dir) if r["step"] <= resume_step]
@@ -60,11 +64,13 @@ class MetricsLog:
         self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -126,7 +132,10 @@ def _clock(seconds: float) -> str:
 
 
 def plot_losses(run_dir: Path) -> Path | None:
-    """loss.png from metrics.jsonl; skipped (None) when matplotlib is not installed."""
+    """loss.png from metrics.jsonl; skipped (None) when matplotlib is not installed, and in
+    every process but process 0."""
+    if not is_primary():
+        return None
     try:
         import matplotlib
 

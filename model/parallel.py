@@ -4,36 +4,26 @@ Batches are sharded over `data`; parameters are replicated (data parallel) or, w
 `train.fsdp`, sharded over the same axis along their first evenly divisible dimension
 (ZeRO-3 style: XLA gathers them for each use). Mixture-of-experts weights stacked along a
 leading expert axis are split along it whenever the device count divides the expert count
-(expert parallelism: each device holds whole experts). With several hosts, `jax.distributed` is
-initialised from the environment and each host feeds its own rows of the global batch.
+(expert parallelism: each device holds whole experts). With several processes
+(model/distributed.py) the mesh spans every process's devices and each process feeds only the
+rows of the global batch that its own devices hold.
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from model.distributed import initialize_from_env
 from model.moe import EXPERT_PARAM_PREFIX
 from tokenizer.errors import UsageError
 
-_DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "TINYLLM_DISTRIBUTED")
-
 
 def maybe_initialize_distributed() -> None:
-    """Multi-host: `jax.distributed.initialize()` when its environment is set (idempotent)."""
-    if any(os.environ.get(k) for k in _DISTRIBUTED_ENV) and not _initialized():
-        jax.distributed.initialize()
-
-
-def _initialized() -> bool:
-    try:
-        return jax.distributed.is_initialized()
-    except AttributeError:  # older jax
-        return False
+    """Several processes: `jax.distributed.initialize` from the environment (idempotent)."""
+    initialize_from_env()
 
 
 def data_mesh() -> Mesh:
@@ -92,10 +82,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def put_batch(x_AxBxT: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """Place a global batch; with several hosts each contributes only its own rows."""
+    """Place a global batch (the same numpy array in every process, drawn from the seed).
+
+    With several processes each one copies only the slices its own devices hold, whatever
+    the order of devices in the mesh and however many each process has.
+    """
     if jax.process_count() == 1:
         return jax.device_put(x_AxBxT, sharding)
-    rows = x_AxBxT.shape[1] // jax.process_count()
-    start = jax.process_index() * rows
-    local = x_AxBxT[:, start : start + rows]
-    return jax.make_array_from_process_local_data(sharding, local, x_AxBxT.shape)
+    return jax.make_array_from_callback(x_AxBxT.shape, sharding, lambda index: x_AxBxT[index])

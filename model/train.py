@@ -32,6 +32,7 @@ from model.data import (
     remove_cache_leftovers,
     sample_batch,
 )
+from model.distributed import is_primary, stop_agreed
 from model.gpt import GPT, count_params, flops_per_token
 from model.interrupts import Stopped, StopRequests
 from model.memory import check_training_memory
@@ -216,8 +217,9 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     check_training_memory(model_cfg, t.batch_size // t.grad_accum, t.fsdp)
     checkpoints = Checkpoints(run_dir)
     try:
-        checkpoints.remove_leftovers()  # what a killed run left: orbax temp dirs
-        remove_cache_leftovers(run_dir)
+        if is_primary():  # what a killed run left: orbax temp dirs, cache temp files
+            checkpoints.remove_leftovers()
+            remove_cache_leftovers(run_dir)
         saved = None
         if resume:
             saved = _newest_readable_meta(checkpoints, run_dir)
@@ -290,7 +292,8 @@ def _loop(trainer, splits, checkpoints, run_dir, start_step, meta: dict) -> dict
     ckpt_every = t.checkpoint_interval or t.eval_interval
     log = MetricsLog(run_dir, start_step if start_step else None)
     # Written only now that everything has been checked: a failing --train leaves it alone.
-    _write_json(run_dir / CONFIG_FILE, meta["config"])
+    if is_primary():  # several processes: process 0 writes the run's files
+        _write_json(run_dir / CONFIG_FILE, meta["config"])
     progress = Progress(t.max_steps, start_step, every_plain=t.log_interval * 10)
 
     t0 = time.perf_counter()
@@ -318,7 +321,13 @@ def _loop(trainer, splits, checkpoints, run_dir, start_step, meta: dict) -> dict
 
     with StopRequests() as stop:
         try:
-            while step < t.max_steps and stop.requested is None:
+            stopping = False
+            while step < t.max_steps:
+                # stop_agreed: with several processes, all stop at the same step (a signal may
+                # reach only one of them, and the checkpoint that follows is collective).
+                stopping = stop_agreed(stop.requested is not None, step, t.log_interval)
+                if stopping:
+                    break
                 x, y = trainer.batch(splits.train, step)
                 trainer.params, trainer.opt_state, metrics = trainer.train_step(
                     trainer.params, trainer.opt_state, x, y, step
@@ -340,19 +349,20 @@ def _loop(trainer, splits, checkpoints, run_dir, start_step, meta: dict) -> dict
                         record.update(eval_record)
                         last["time"] = time.perf_counter()  # eval is not training throughput
                     save(stop)
-            if stop.requested is not None:
+            if stopping or stop.requested is not None:
                 flush()
                 save(stop)
                 with stop.critical():
                     checkpoints.wait()
-                name = signal.Signals(stop.requested).name
+                signum = stop.requested or signal.SIGINT  # another process's signal
+                name = signal.Signals(signum).name
                 kept = (
                     f"saved a checkpoint at step {step}"
                     + ("; --resume continues" if step < t.max_steps else " (the last step)")
                     if saved_step is not None
                     else "no step was trained, nothing saved"
                 )
-                raise Stopped(stop.requested, f"interrupted by {name}: {kept}")
+                raise Stopped(signum, f"interrupted by {name}: {kept}")
             with stop.critical():
                 checkpoints.wait()
         except TrainingDiverged as err:

@@ -1,0 +1,334 @@
+"""--train as several processes on this machine, under JAX's own variables (CPU, gloo).
+
+Two real processes (JAX_COORDINATOR_ADDRESS on a free port, JAX_NUM_PROCESSES=2,
+JAX_PROCESS_ID=0|1, one CPU device each) give the single-process loss curve with the same
+global batch; process 0 alone writes the run's files; --resume replays the curve; a process
+killed with SIGKILL brings the other down within a bound, with one line. The environment
+rules and the waits are unit-tested without JAX.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tinyllm
+from model.checkpoint import Checkpoints
+from model.distributed import (
+    initialize_kwargs,
+    multi_process_requested,
+    process_index_from_env,
+    wait_for_primary,
+)
+from model.metrics import read_metrics
+from model.train import run_train
+from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
+from tokenizer.errors import UsageError
+from tokenizer.stage import TOKENIZER_FILE, run_tokenize
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [*TINY_TRAIN, "train.lr_decay_steps=8"]
+LAUNCH_TIMEOUT_S = 240  # a bound for a whole launch on a busy 2-core machine (~10 s idle)
+JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    return write_word_corpus(tmp_path_factory.mktemp("corpus") / "tiny.txt", 400)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, corpus_file):
+    """The reference: one process, one device, 8 steps (in this pytest process)."""
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    run_tokenize(tiny_run_config(corpus_file, TINY, "train.max_steps=8"), run_dir)
+    run_train(tiny_run_config(corpus_file, TINY, "train.max_steps=8"), run_dir)
+    return run_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(run_dir: Path, corpus_file: Path, *overrides: str, n: int = 2) -> list:
+    """Start `n` training processes on run_dir; returns [(Popen, stderr log path)]."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *JAX_VARS)}
+    base["TINYLLM_HEARTBEAT_TIMEOUT_S"] = "10"
+    procs = []
+    for i in range(n):
+        env = {
+            **base,
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": str(n),
+            "JAX_PROCESS_ID": str(i),
+        }
+        log = run_dir.parent / f"{run_dir.name}.p{i}.log"
+        cmd = [
+            sys.executable,
+            str(ROOT / "tinyllm.py"),
+            "--train",
+            "--config",
+            str(ROOT / "configs" / "shakespeare_char.toml"),
+            "--input",
+            str(corpus_file),
+            "--out",
+            str(run_dir),
+            *TINY,
+            *overrides,
+        ]
+        with open(log, "w") as f:
+            procs.append((subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT), log))
+    return procs
+
+
+def finish(procs) -> list[str]:
+    """Wait for every process (bounded); assert success; return their outputs."""
+    outputs = []
+    try:
+        for proc, log in procs:
+            proc.wait(timeout=LAUNCH_TIMEOUT_S)
+            outputs.append(log.read_text())
+            assert proc.returncode == 0, outputs[-1][-3000:]
+    finally:
+        stop_all(procs)
+    return outputs
+
+
+def wait_for_steps(run_dir: Path, procs, n: int) -> None:
+    """Until process 0 has logged n training steps (so both processes are training)."""
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while len(steps_of(run_dir, "train_loss")) < n:
+        assert all(p.poll() is None for p, _ in procs), procs[0][1].read_text()[-2000:]
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
+
+
+def stop_all(procs) -> None:
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def steps_of(run_dir: Path, field: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[field]) for r in read_metrics(run_dir) if field in r]
+
+
+def tokenized_copy(single_run: Path, run_dir: Path) -> Path:
+    """A run directory with the reference run's tokenizer (as --tokenize would leave it)."""
+    run_dir.mkdir(parents=True)
+    shutil.copy(single_run / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)
+    return run_dir
+
+
+def test_two_processes_match_one_and_resume_replays(tmp_path, corpus_file, single_run):
+    run_dir = tokenized_copy(single_run, tmp_path / "run")
+    reference = dict(steps_of(single_run, "train_loss"))
+    reference_val = dict(steps_of(single_run, "val_loss"))
+
+    first = finish(launch(run_dir, corpus_file, "train.max_steps=4"))
+    assert all("2 x cpu" in out for out in first)  # one CPU device per process, 2 in all
+    # Process 0 alone built the token cache; the other waited for it and read it.
+    assert "encode:" in first[0] and "encode:" not in first[1]
+    assert Checkpoints(run_dir).latest_step() == 4
+    assert json.loads((run_dir / "config.json").read_text())["train"]["max_steps"] == 4
+    assert (run_dir / "loss.png").exists()
+
+    resumed = finish(launch(run_dir, corpus_file, "train.max_steps=8", "--resume"))
+    assert all("train: done, 8 steps" in out for out in resumed)
+    train = steps_of(run_dir, "train_loss")
+    # Each step logged once: the second process wrote nothing (no duplicate lines).
+    assert [s for s, _ in train] == list(range(1, 9))
+    np.testing.assert_allclose(
+        [loss for _, loss in train], [reference[s] for s in range(1, 9)], rtol=2e-5, atol=2e-6
+    )
+    val = steps_of(run_dir, "val_loss")
+    assert [s for s, _ in val] == [4, 8]
+    np.testing.assert_allclose([v for _, v in val], [reference_val[s] for s in (4, 8)], rtol=2e-5)
+    assert Checkpoints(run_dir).latest_step() == 8
+    assert not list(run_dir.rglob("*.tmp*"))  # no temp files left behind
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["kill-process-1", "kill-process-0"])
+def test_a_killed_process_stops_the_other(tmp_path, corpus_file, single_run, victim):
+    run_dir = tokenized_copy(single_run, tmp_path / "run")
+    procs = launch(run_dir, corpus_file, "train.max_steps=1000000", "train.eval_interval=1000000")
+    survivor, survivor_log = procs[1 - victim]
+    try:
+        wait_for_steps(run_dir, procs, 3)
+        os.kill(procs[victim][0].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        survivor.wait(timeout=60)
+        waited = time.monotonic() - killed_at
+    finally:
+        stop_all(procs)
+    out = survivor_log.read_text()
+    assert survivor.returncode != 0 and waited < 60
+    assert "Traceback" not in out, out[-3000:]
+    # Our line when the loss surfaces in Python (a collective), JAX's when its runtime
+    # notices first (the coordinator gone, or a peer's missed heartbeats).
+    ours = f"tinyllm: error: training process {1 - victim} lost another training process"
+    theirs = "Terminating process because the JAX distributed service detected fatal errors"
+    assert ours in out or theirs in out, out[-3000:]
+
+
+def test_ctrl_c_in_one_process_stops_all_at_the_same_step(tmp_path, corpus_file, single_run):
+    """Also: two CPU devices per process (4 in all, one row of the global batch each) give
+    the single-device losses."""
+    run_dir = tokenized_copy(single_run, tmp_path / "run")
+    procs = launch(
+        run_dir,
+        corpus_file,
+        "train.max_steps=1000000",
+        "train.eval_interval=1000000",
+        "train.cpu_devices=2",
+    )
+    try:
+        wait_for_steps(run_dir, procs, 3)
+        os.kill(procs[1][0].pid, signal.SIGINT)  # Ctrl-C reaches process 1 only
+        for proc, _ in procs:
+            proc.wait(timeout=60)
+    finally:
+        stop_all(procs)
+    outputs = [log.read_text() for _, log in procs]
+    assert [p.returncode for p, _ in procs] == [130, 130], outputs[0][-2000:] + outputs[1][-2000:]
+    saved = [
+        re.search(r"interrupted by SIGINT: saved a checkpoint at step (\d+)", out)
+        for out in outputs
+    ]
+    assert all(saved) and saved[0].group(1) == saved[1].group(1)
+    assert Checkpoints(run_dir).latest_step() == int(saved[0].group(1))
+    assert all("4 x cpu" in out for out in outputs)
+    reference = dict(steps_of(single_run, "train_loss"))  # the schedule ends at step 8
+    train = [(s, loss) for s, loss in steps_of(run_dir, "train_loss") if s in reference]
+    assert [s for s, _ in train] == list(range(1, len(train) + 1)) and len(train) >= 3
+    np.testing.assert_allclose(
+        [loss for _, loss in train], [reference[s] for s, _ in train], rtol=2e-5, atol=2e-6
+    )
+
+
+def run_main(capsys, *argv) -> tuple[int, list[str]]:
+    try:
+        code = tinyllm.main([str(a) for a in argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("stage", ["--tokenize", "--inference"])
+def test_single_process_stages_are_refused_in_a_multi_process_launch(
+    tmp_path, monkeypatch, capsys, corpus_file, stage
+):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    out = tmp_path / "run"
+    code, err = run_main(capsys, stage, "--train", "--input", corpus_file, "--out", out)
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"tinyllm: error: {stage} runs in one process")
+    assert not out.exists()
+
+
+def test_asking_for_cluster_detection_without_a_cluster_is_one_line(
+    tmp_path, corpus_file, single_run
+):
+    env = {k: v for k, v in os.environ.items() if k not in JAX_VARS}
+    run_dir = tokenized_copy(single_run, tmp_path / "run")
+    config = ["--config", str(ROOT / "configs" / "shakespeare_char.toml")]
+    cmd = [sys.executable, str(ROOT / "tinyllm.py"), "--train", *config, "--out", str(run_dir)]
+    cmd += ["--input", str(corpus_file), *TINY]
+    proc = subprocess.run(
+        cmd, env={**env, "TINYLLM_DISTRIBUTED": "1"}, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "tinyllm: error: TINYLLM_DISTRIBUTED=1 but JAX detected no cluster (TPU pod, SLURM, "
+        "Open MPI) to start the training processes from: set JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process (coordinator_address should be "
+        "defined.)"
+    ]
+    assert [p.name for p in run_dir.iterdir()] == [TOKENIZER_FILE]  # nothing written
+
+
+def test_launcher_environment_is_read_without_jax():
+    jax_vars = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4"}
+    assert process_index_from_env({**jax_vars, "JAX_PROCESS_ID": "3"}) == 3
+    assert process_index_from_env({}) is None and not multi_process_requested({})
+    slurm = {"SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "1"}
+    assert multi_process_requested(slurm) and process_index_from_env(slurm) == 1
+    one_task = {**slurm, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}
+    assert not multi_process_requested(one_task)  # one task in a SLURM step: one process
+    assert process_index_from_env({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}) == 1
+    off = {**jax_vars, "JAX_PROCESS_ID": "3", "TINYLLM_DISTRIBUTED": "0"}
+    assert not multi_process_requested(off) and process_index_from_env(off) is None
+    # A TPU pod: asked for, detected by JAX, index unknown before JAX starts.
+    assert multi_process_requested({"TINYLLM_DISTRIBUTED": "1"})
+    assert process_index_from_env({"TINYLLM_DISTRIBUTED": "1"}) is None
+
+    kwargs = initialize_kwargs({**jax_vars, "JAX_PROCESS_ID": "3"})
+    assert (kwargs["num_processes"], kwargs["process_id"]) == (4, 3)
+    assert kwargs["coordinator_address"] == "10.0.0.1:1234"
+    assert kwargs["heartbeat_timeout_seconds"] == 30
+    assert "num_processes" not in initialize_kwargs({"TINYLLM_DISTRIBUTED": "1"})  # detected
+    with pytest.raises(UsageError, match="JAX_NUM_PROCESSES or JAX_PROCESS_ID is not"):
+        initialize_kwargs({"JAX_COORDINATOR_ADDRESS": "h:1"})
+    with pytest.raises(UsageError, match=r"JAX_PROCESS_ID must be in 0 \.\. 3"):
+        initialize_kwargs({**jax_vars, "JAX_PROCESS_ID": "4"})
+    with pytest.raises(UsageError, match="JAX_PROCESS_ID must be an integer"):
+        initialize_kwargs({**jax_vars, "JAX_PROCESS_ID": "one"})
+
+
+def test_waiting_for_process_0_is_bounded():
+    with pytest.raises(UsageError, match=r"waited 0.3 s for process 0 to write the token cache"):
+        wait_for_primary(lambda: None, "the token cache", timeout_s=0.3, poll_s=0.05)
+    box: list = []
+    threading.Timer(0.2, box.append, ["ready"]).start()
+    assert wait_for_primary(lambda: box[0] if box else None, "x", 10, poll_s=0.05) == "ready"
+
+
+def test_other_processes_read_the_token_cache_and_never_write_it(
+    tmp_path, monkeypatch, corpus_file, single_run
+):
+    from model import data
+    from tokenizer import load_tokenizer
+    from tokenizer.stage import corpus_for
+
+    cfg = tiny_run_config(corpus_file, TINY)
+    built = single_run / data.CACHE_DIR  # the cache process 0 would write (same corpus, tokenizer)
+    run_dir = tokenized_copy(single_run, tmp_path / "run")
+    tok_path = run_dir / TOKENIZER_FILE
+    tok = load_tokenizer(tok_path)
+
+    def load():
+        return data.load_token_splits(corpus_for(cfg), tok, tok_path, run_dir, 0.1)
+
+    monkeypatch.setattr(data, "is_primary", lambda: False)
+    monkeypatch.setenv("TINYLLM_WAIT_TIMEOUT_S", "1")
+    with pytest.raises(UsageError, match="for process 0 to write the cache"):
+        load()
+    assert not (run_dir / data.CACHE_DIR).exists()  # nothing written by a non-zero process
+
+    def process_0_writes():  # in the order _build_cache does: tokens, then meta.json
+        (run_dir / data.CACHE_DIR).mkdir()
+        shutil.copy(built / "tokens.bin", run_dir / data.CACHE_DIR / "tokens.bin")
+        shutil.copy(built / "meta.json", run_dir / data.CACHE_DIR / "meta.json")
+
+    monkeypatch.setenv("TINYLLM_WAIT_TIMEOUT_S", "60")
+    writer = threading.Timer(0.5, process_0_writes)
+    writer.start()
+    splits = load()  # waits for the cache, then reads it
+    writer.join()
+    assert len(splits.train) + len(splits.val) == len(corpus_file.read_text())
