@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tests.tokenizer_helpers import EOT, data_file, gpt2_tokenizer
 from tokenizer import BPETokenizer, UsageError, base
+from tokenizer import bpe as bpe_module
 
 DOUBLE = EOT + EOT
 SPECIALS = [EOT, DOUBLE, "<|pad|>"]
@@ -177,3 +178,32 @@ def test_gpt4_pattern_round_trips_and_splits_differently():
     assert tok.pattern != BPETokenizer.train(text * 20, vocab_size=270).pattern
     with pytest.raises(UsageError, match="pattern"):
         BPETokenizer.train(text, vocab_size=270, pattern="(unclosed")
+
+
+# --- long chunks: the heap merge (O(n log n)) equals the list scan (O(n^2)) -------------------
+
+few_letters = st.text(alphabet="aabbcde é", min_size=2, max_size=300)
+
+
+@settings(max_examples=80, deadline=None)
+@given(few_letters)
+def test_heap_merge_equals_list_merge(text):
+    for tok in tokenizers():
+        with mock.patch.object(bpe_module, "HEAP_MIN_BYTES", 10**9):
+            by_list = tok._encode_chunk(text)
+        with mock.patch.object(bpe_module, "HEAP_MIN_BYTES", 1):
+            by_heap = tok._encode_chunk(text)
+        assert by_heap == by_list
+
+
+def test_a_long_single_word_encodes_like_its_list_merge():
+    """A 20 KB word through both merges, then a 100 KB word (the list scan would need
+    minutes: each of its ~70,000 merges scans the list)."""
+    text = data_file("tinyshakespeare.txt").read_text(encoding="utf-8")
+    word = "".join(c for c in text[:400_000] if c.isalpha())
+    tok = gpt2_tokenizer()
+    with mock.patch.object(bpe_module, "HEAP_MIN_BYTES", 10**9):
+        by_list = tok._encode_chunk(word[:20_000])
+    assert tok._encode_chunk(word[:20_000]) == by_list
+    ids = BPETokenizer.encode(tok, word[:100_000])
+    assert tok.decode(ids) == word[:100_000] and len(ids) < 40_000

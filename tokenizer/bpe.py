@@ -9,6 +9,7 @@ True
 
 from __future__ import annotations
 
+import heapq
 import os
 from collections.abc import Callable, Iterable, Mapping
 from itertools import chain, pairwise
@@ -23,6 +24,9 @@ from tokenizer.pretokenize import compile_pattern, count_chunks
 _SINGLE_BYTES = [bytes([b]) for b in range(256)]
 _NO_RANK = 1 << 62  # above every merge rank; an int compares faster than inf
 CACHE_MAX_ENTRIES = 1 << 18
+# Chunks longer than this many bytes are merged with a heap (O(n log n)) instead of the list
+# scan (O(n^2), faster for the short chunks of real text).
+HEAP_MIN_BYTES = 64
 
 
 class BPETokenizer(Tokenizer):
@@ -169,14 +173,17 @@ class BPETokenizer(Tokenizer):
         """BPE of one chunk: repeatedly merge the leftmost adjacent pair of lowest merge rank.
 
         Merging one occurrence at a time equals merging all occurrences of the best pair left
-        to right: a pair made by a merge always ranks after the merge that made it. The ranks
-        of adjacent pairs live in a list, so min() and index() run in C and a merge only
-        refreshes its two neighbours.
+        to right: a pair made by a merge always ranks after the merge that made it. Short
+        chunks (almost all) keep the ranks of adjacent pairs in a list, so min() and index()
+        run in C and a merge only refreshes its two neighbours; that is O(n^2) in the chunk's
+        length, so long chunks (a megabyte "word") take the O(n log n) heap of `_merge_heap`.
         """
         parts = [_SINGLE_BYTES[b] for b in chunk.encode("utf-8")]
         id_of = self._id_of
         if len(parts) == 1:
             return (id_of[parts[0]],)
+        if len(parts) > HEAP_MIN_BYTES:
+            return tuple(_merge_heap([id_of[p] for p in parts], self._merge_table()))
         get = self._ranks.get
         ranks = [get(pair, _NO_RANK) for pair in pairwise(parts)]
         while (best := min(ranks)) != _NO_RANK:
@@ -192,6 +199,17 @@ class BPETokenizer(Tokenizer):
                 break
         return tuple([id_of[p] for p in parts])
 
+    def _merge_table(self) -> dict[int, tuple[int, int]]:
+        """(left id << 32 | right id) -> (rank, merged id), built on first use (long chunks)."""
+        table = getattr(self, "_merge_of", None)
+        if table is None:
+            id_of = self._id_of
+            table = {}
+            for (a, b), rank in self._ranks.items():
+                table[id_of[a] << 32 | id_of[b]] = (rank, id_of[a + b])
+            self._merge_of = table
+        return table
+
     # --- persistence ------------------------------------------------------------------------
     def _params(self) -> dict[str, Any]:
         return {
@@ -204,6 +222,40 @@ class BPETokenizer(Tokenizer):
     @classmethod
     def _from_params(cls, params: dict[str, Any]) -> Self:
         return cls(params["vocab"], params["merges"], params["special_tokens"], params["pattern"])
+
+
+def _merge_heap(ids: list[int], merge_of: Mapping[int, tuple[int, int]]) -> list[int]:
+    """The merges of `_encode_chunk` in O(n log n), in the same order (lowest rank, then
+    leftmost), on token ids: `merge_of[a << 32 | b]` is (rank, merged id) of the pair (a, b).
+
+    Symbols form a linked list over their start positions; the heap holds (rank, position) of
+    every adjacent pair ever formed. An entry is stale (lazy deletion) when the symbol at that
+    position died or its pair changed since; a rank names one pair, so an entry is current
+    exactly when the pair now at its position still has that rank.
+    """
+    n = len(ids)
+    nxt = [*range(1, n), -1]
+    prv = list(range(-1, n - 1))
+    get = merge_of.get
+    heap = [(m[0], i) for i in range(n - 1) if (m := get(ids[i] << 32 | ids[i + 1]))]
+    heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
+    while heap:
+        rank, i = pop(heap)
+        j = nxt[i]
+        if j < 0 or ids[i] < 0 or (m := get(ids[i] << 32 | ids[j])) is None or m[0] != rank:
+            continue
+        new = ids[i] = m[1]
+        ids[j] = -1
+        k = nxt[i] = nxt[j]
+        if k >= 0:
+            prv[k] = i
+            if m := get(new << 32 | ids[k]):
+                push(heap, (m[0], i))
+        p = prv[i]
+        if p >= 0 and (m := get(ids[p] << 32 | new)):
+            push(heap, (m[0], p))
+    return [t for t in ids if t >= 0]
 
 
 class _ChunkCache(dict[str, tuple[int, ...]]):
