@@ -207,3 +207,16 @@ def test_a_long_single_word_encodes_like_its_list_merge():
     assert tok._encode_chunk(word[:20_000]) == by_list
     ids = BPETokenizer.encode(tok, word[:100_000])
     assert tok.decode(ids) == word[:100_000] and len(ids) < 40_000
+
+
+def test_a_users_pattern_that_matches_the_empty_string_encodes():
+    """`\\w*` matches "" before every space: the empty chunks are dropped, not encoded."""
+    tok = BPETokenizer.train("ab ab ab  abc " * 5, vocab_size=262, pattern=r"\w*|\s")
+    ids = tok.encode("ab  abc ba")
+    assert tok.decode(ids) == "ab  abc ba" and ids == tok.encode_ordinary("ab  abc ba")
+    assert BPETokenizer(tok.vocab, tok.merges, pattern=r"x*").encode("a b") == []
+
+
+def test_a_users_pattern_with_a_capturing_group_is_refused():
+    with pytest.raises(UsageError, match="capturing group"):
+        BPETokenizer.train("ab ab", vocab_size=260, pattern=r"(\w+)|\s")

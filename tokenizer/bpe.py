@@ -180,8 +180,8 @@ class BPETokenizer(Tokenizer):
         """
         parts = [_SINGLE_BYTES[b] for b in chunk.encode("utf-8")]
         id_of = self._id_of
-        if len(parts) == 1:
-            return (id_of[parts[0]],)
+        if len(parts) <= 1:  # an empty match of a user's pattern has no tokens
+            return (id_of[parts[0]],) if parts else ()
         if len(parts) > HEAP_MIN_BYTES:
             return tuple(_merge_heap([id_of[p] for p in parts], self._merge_table()))
         get = self._ranks.get

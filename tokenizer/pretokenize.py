@@ -50,11 +50,16 @@ def resolve_pattern(pattern: str) -> str:
     """
     source = PATTERNS.get(pattern, pattern)
     try:
-        regex.compile(source)
+        compiled = regex.compile(source)
     except regex.error as exc:
         raise UsageError(
             f"bad pre-tokenization pattern {pattern!r}: {exc}; use 'gpt2' or 'gpt4'"
         ) from None
+    if compiled.groups:
+        # findall would return the groups, not the chunks.
+        raise UsageError(
+            f"pre-tokenization pattern {pattern!r} has a capturing group: write (?:...)"
+        )
     return source
 
 
@@ -159,6 +164,7 @@ def count_chunks_in_text(text: str, pattern: str, specials: str | None) -> Count
         if i % 2 == 0 and segment:
             # Counter over findall's list runs in C; finditer would cost a Python call per chunk.
             counts.update(split_re.findall(segment))
+    counts.pop("", None)  # a user's pattern may match the empty string: no bytes, no tokens
     return counts
 
 
