@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import heapq
 import os
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from array import array
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from itertools import chain, pairwise
 from typing import Any, Self
 
+from tokenizer import compiled
 from tokenizer.base import Tokenizer, normalize_specials
 from tokenizer.bpe_train import train_merges
 from tokenizer.errors import UsageError
 from tokenizer.gpt2_files import read_gpt2_files, read_tiktoken_file, write_gpt2_files
-from tokenizer.pretokenize import compile_pattern, count_chunks
+from tokenizer.pretokenize import compile_pattern, count_chunks, split_specials
 
 _SINGLE_BYTES = [bytes([b]) for b in range(256)]
 _NO_RANK = 1 << 62  # above every merge rank; an int compares faster than inf
@@ -71,6 +75,8 @@ class BPETokenizer(Tokenizer):
                 f"inconsistent BPE tokenizer: tokens {missing[:3]} are not in the vocab"
             )
         self._cache = _ChunkCache(self._encode_chunk)
+        self._core_merges = self._compiled_merges()
+        self._local = threading.local()  # per thread: its compiled Encoder (own chunk cache)
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -155,6 +161,70 @@ class BPETokenizer(Tokenizer):
         write_gpt2_files(self.vocab, self.merges, self.special_tokens, vocab_json, merges_txt)
 
     # --- encoding ---------------------------------------------------------------------------
+    @property
+    def compiled(self) -> bool:
+        """Whether this tokenizer encodes with the compiled core (see `tokenizer.compiled`)."""
+        return self._core_merges is not None
+
+    def _compiled_merges(self):
+        """The merge table in the compiled core's form, or None for the pure-Python path."""
+        core = compiled.core_for(self.pattern)
+        if core is None:
+            return None
+        id_of = self._id_of
+        byte_ids = array("I", [id_of[b] for b in _SINGLE_BYTES])
+        triples = array("I")
+        for a, b in self.merges:
+            triples.extend((id_of[a], id_of[b], id_of[a + b]))
+        return core.Merges(compiled.PATTERN_IDS[self.pattern], byte_ids, triples)
+
+    def _encoder(self):
+        encoder = getattr(self._local, "encoder", None)
+        if encoder is None:
+            encoder = self._local.encoder = compiled.core_for(self.pattern).Encoder(
+                self._core_merges
+            )
+        return encoder
+
+    def _encode_ordinary_array(self, text: str) -> array:
+        """Ids of ordinary text as an array('I') (compiled path: no Python int per token)."""
+        out = array("I")
+        if self._core_merges is None:
+            out.extend(self.encode_ordinary(text))
+            return out
+        encoder = self._encoder()
+        ids = encoder.encode(text)
+        if ids is None:  # surrogates: replace them as the Python path does
+            ids = encoder.encode(compiled.replace_surrogates(text))
+        out.frombytes(ids)
+        return out
+
+    def encode_array(self, text: str) -> array:
+        """`array("I", encode(text))`, built without a Python int per token on the compiled
+        path. The C work releases the GIL, so threads encode in parallel.
+
+        >>> tok = BPETokenizer.train("aaab" * 10, vocab_size=258, special_tokens=["<s>"])
+        >>> tok.encode_array("aab<s>").tolist()
+        [256, 98, 257]
+        """
+        if self._specials_re is None:
+            return self._encode_ordinary_array(text)
+        out = array("I")
+        for i, segment in enumerate(split_specials(text, self._specials_re)):
+            if i % 2:
+                out.append(self.special_tokens[segment])
+            elif segment:
+                out.extend(self._encode_ordinary_array(segment))
+        return out
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`[encode(t) for t in texts]`; on the compiled path, on a thread per core."""
+        if self._core_merges is None or len(texts) < 2:
+            return super().encode_batch(texts)
+        workers = min(len(texts), compiled.worker_count())
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(self.encode, texts))
+
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of `text` with special tokens treated as plain text.
 
@@ -162,6 +232,9 @@ class BPETokenizer(Tokenizer):
         >>> tok.encode("aab<s>"), tok.encode_ordinary("aab")
         ([256, 98, 257], [256, 98])
         """
+        if self._core_merges is not None:
+            return self._encode_ordinary_array(text).tolist()
+        text = compiled.replace_surrogates(text)
         # findall (one C call) beats finditer; the cache computes a missing chunk itself
         # (__missing__), so the lookups and the flattening all run in C.
         chunks = self._split_re.findall(text)
