@@ -11,19 +11,24 @@ from itertools import islice, pairwise
 from unittest import mock
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.tokenizer_helpers import EOT, data_file, gpt2_tokenizer
-from tokenizer import BPETokenizer, UsageError, base
+from tests.tokenizer_helpers import EOT, data_file, each_path, gpt2_tokenizer  # noqa: F401
+from tokenizer import BPETokenizer, UsageError, base, compiled
 from tokenizer import bpe as bpe_module
 
 DOUBLE = EOT + EOT
 SPECIALS = [EOT, DOUBLE, "<|pad|>"]
 
 
-@cache
 def small_bpe() -> BPETokenizer:
+    """A small trained BPE, on the path the environment selects (see `each_path`)."""
+    return _small_bpe(compiled.forced_pure_python() or not compiled.built())
+
+
+@cache
+def _small_bpe(pure_python: bool) -> BPETokenizer:
     text = "the cat sat on the mat; the dog didn't. Ünïcödé 日本語 🙂🙂 1234 5678\n\n  x " * 40
     return BPETokenizer.train(text, vocab_size=256 + 60 + len(SPECIALS), special_tokens=SPECIALS)
 
@@ -39,13 +44,19 @@ texts_with_specials = st.lists(
 ).map("".join)
 
 
-@settings(max_examples=150, deadline=None)
+# The `each_path` fixture runs once per test (not per example): that is what is wanted here.
+ONCE_PER_TEST = [HealthCheck.function_scoped_fixture]
+
+
+@pytest.mark.usefixtures("each_path")
+@settings(max_examples=150, deadline=None, suppress_health_check=ONCE_PER_TEST)
 @given(texts_with_specials)
 def test_decode_encode_round_trip(text):
     for tok in tokenizers():
         assert tok.decode(tok.encode(text)) == text
 
 
+@pytest.mark.usefixtures("each_path")
 def test_overlapping_specials_take_the_longest_match():
     tok = small_bpe()
     eot, double = tok.special_tokens[EOT], tok.special_tokens[DOUBLE]
@@ -62,7 +73,8 @@ def test_specials_are_split_before_pretokenization():
     assert tok.encode_ordinary(EOT) != [tok.special_tokens[EOT]]
 
 
-@settings(max_examples=100, deadline=None)
+@pytest.mark.usefixtures("each_path")
+@settings(max_examples=100, deadline=None, suppress_health_check=ONCE_PER_TEST)
 @given(
     texts_with_specials,
     st.lists(st.integers(min_value=0, max_value=200), max_size=8),
@@ -137,6 +149,7 @@ def test_unknown_ids_are_a_usage_error():
         small_bpe().decode([10**6])
 
 
+@pytest.mark.usefixtures("each_path")
 def test_utility_methods():
     tok = gpt2_tokenizer()
     text = "Hello, world! Hello again."
@@ -209,6 +222,7 @@ def test_a_long_single_word_encodes_like_its_list_merge():
     assert tok.decode(ids) == word[:100_000] and len(ids) < 40_000
 
 
+@pytest.mark.usefixtures("each_path")
 def test_a_users_pattern_that_matches_the_empty_string_encodes():
     """`\\w*` matches "" before every space: the empty chunks are dropped, not encoded."""
     tok = BPETokenizer.train("ab ab ab  abc " * 5, vocab_size=262, pattern=r"\w*|\s")

@@ -105,7 +105,7 @@ class BPETokenizer(Tokenizer):
                 f" + {len(specials)} special tokens = {minimum}"
             )
         source = compile_pattern(pattern).pattern
-        counts = count_chunks(corpus, source, specials)
+        counts = count_chunks(corpus, source, specials, progress=progress)
         if not counts:
             raise UsageError("the corpus is empty: no text to train the tokenizer on")
         merges = train_merges(counts, vocab_size - minimum, progress=progress)

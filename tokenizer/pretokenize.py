@@ -157,8 +157,11 @@ def count_chunks_in_text(text: str, pattern: str, specials: str | None) -> Count
     Takes pattern sources (strings) rather than compiled patterns so that it can run in a
     worker process; `regex` caches compiled patterns per process.
     """
+    from tokenizer.compiled import replace_surrogates
+
     split_re = regex.compile(pattern)
     specials_re = regex.compile(specials) if specials else None
+    text = replace_surrogates(text)  # as encoding does (tiktoken's behaviour)
     counts: Counter[str] = Counter()
     for i, segment in enumerate(split_specials(text, specials_re)):
         if i % 2 == 0 and segment:
@@ -173,12 +176,15 @@ def count_chunks(
     pattern: str,
     special_tokens: Iterable[str] = (),
     workers: int | None = None,
+    progress: bool = False,
 ) -> Counter[str]:
     """Count the unique pre-tokenized chunks of a corpus (str or iterable of str).
 
-    Large inputs (more than PARALLEL_MIN_CHARS characters) are read in safe pieces and counted
-    in worker processes; memory stays bounded by the number of unique chunks plus a few pieces
-    in flight, not by the corpus size.
+    With the compiled core (gpt2/gpt4 patterns, see `tokenizer.compiled`), threads count on
+    every core (`pipeline.count_chunks_compiled`). On the pure-Python path, large inputs (more
+    than PARALLEL_MIN_CHARS characters) are read in safe pieces and counted in worker
+    processes. Memory stays bounded by the number of unique chunks plus a few pieces in
+    flight, not by the corpus size.
 
     >>> count_chunks("a a a", "gpt2")
     Counter({' a': 2, 'a': 1})
@@ -189,6 +195,14 @@ def count_chunks(
     max_special_len = max(map(len, special_tokens), default=0)
     specials_src = specials_re.pattern if specials_re is not None else None
     parts = [corpus] if isinstance(corpus, str) else corpus
+    from tokenizer import compiled, pipeline
+
+    core = compiled.core_for(source)
+    if core is not None:
+        pattern_id = compiled.PATTERN_IDS[source]
+        return pipeline.count_chunks_compiled(
+            core, pattern_id, parts, specials_re, max_special_len, workers, progress
+        )
     if isinstance(corpus, str) and len(corpus) < PARALLEL_MIN_CHARS:
         return count_chunks_in_text(corpus, source, specials_src)
 
