@@ -305,3 +305,13 @@ def test_without_the_core_tokenize_says_so_and_works(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stderr.count(compiled.UNAVAILABLE) == 1
     assert (tmp_path / "run" / "tokenizer.pkl").is_file()
+
+
+def test_class_table_cache_round_trips_and_rebuilds_a_damaged_file(tmp_path, monkeypatch):
+    c = core()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = compiled._cached_class_table()
+    (cached,) = (tmp_path / "tinyllm").iterdir()
+    assert cached.read_bytes() == built == compiled.class_table(c)
+    cached.write_bytes(b"\x07" * 100)
+    assert compiled._cached_class_table() == built
