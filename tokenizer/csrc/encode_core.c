@@ -45,6 +45,7 @@ enum { PAT_GPT2 = 0, PAT_GPT4 = 1 };
 
 typedef struct {
     int kind;
+    int ascii; /* then data is its own UTF-8 */
     const void *data;
     Py_ssize_t n;
 } Text;
@@ -153,6 +154,7 @@ static int text_of(PyObject *obj, Text *t) {
     }
     if (PyUnicode_READY(obj) < 0) return -1;
     t->kind = PyUnicode_KIND(obj);
+    t->ascii = PyUnicode_IS_ASCII(obj);
     t->data = PyUnicode_DATA(obj);
     t->n = PyUnicode_GET_LENGTH(obj);
     return 0;
@@ -428,6 +430,22 @@ static inline uint64_t heap_pop(uint64_t *h, size_t *n) {
     return top;
 }
 
+static void heapify(uint64_t *h, size_t n) {
+    for (size_t k = n / 2; k-- > 0;) {
+        uint64_t v = h[k];
+        size_t i = k;
+        for (;;) {
+            size_t c = 2 * i + 1;
+            if (c >= n) break;
+            if (c + 1 < n && h[c + 1] < h[c]) c++;
+            if (v <= h[c]) break;
+            h[i] = h[c];
+            i = c;
+        }
+        h[i] = v;
+    }
+}
+
 /* Merge s->ids[0..n) in place; returns the number of ids left. */
 static size_t bpe_list(const Merges *m, Scratch *s, size_t n) {
     uint32_t *ids = s->ids, *ranks = s->ranks;
@@ -459,8 +477,9 @@ static size_t bpe_heap(const Merges *m, Scratch *s, size_t n) {
     }
     for (size_t i = 0; i + 1 < n; i++) {
         uint32_t r = rank_of(m, ids[i], ids[i + 1]);
-        if (r != NO_RANK) heap_push(heap, &hn, (uint64_t)r << 32 | i);
+        if (r != NO_RANK) heap[hn++] = (uint64_t)r << 32 | i;
     }
+    heapify(heap, hn);
     /* Each merge pushes at most two entries and kills one of n symbols: hn stays below 3n. */
     while (hn) {
         uint64_t top = heap_pop(heap, &hn);
@@ -623,9 +642,14 @@ static int encode_text(EncoderObject *self, const Text *t, IdBuf *out) {
             i = j;
             continue;
         }
-        if (utf8_of(t, i, j, &self->utf8)) return -1;
-        bytes = self->utf8.p;
-        len = self->utf8.len;
+        if (t->ascii) {
+            bytes = (const uint8_t *)t->data + i;
+            len = (size_t)(j - i);
+        } else {
+            if (utf8_of(t, i, j, &self->utf8)) return -1;
+            bytes = self->utf8.p;
+            len = self->utf8.len;
+        }
         i = j;
         uint64_t h = 0;
         Slot *slot = NULL;
@@ -771,8 +795,12 @@ static int count_text(CounterObject *self, const Text *t) {
     Py_ssize_t i = 0;
     while (i < t->n) {
         Py_ssize_t j = chunk_end(self->pattern, t, i);
-        if (utf8_of(t, i, j, &self->utf8)) return -1;
-        if (count_add(&self->map, self->utf8.p, self->utf8.len, 1)) return -1;
+        if (t->ascii) {
+            if (count_add(&self->map, (const uint8_t *)t->data + i, (size_t)(j - i), 1)) return -1;
+        } else {
+            if (utf8_of(t, i, j, &self->utf8)) return -1;
+            if (count_add(&self->map, self->utf8.p, self->utf8.len, 1)) return -1;
+        }
         i = j;
     }
     return 0;
