@@ -39,6 +39,10 @@ class BPETokenizer(Tokenizer):
     `vocab` maps ids to bytes (any ids: GPT-2's are not "bytes, then merges in order");
     `merges` lists the merged pairs by rank (lowest rank merges first when encoding);
     `special_tokens` maps special-token text to id.
+
+    With the gpt2 or gpt4 pattern, encoding runs in the compiled core when it was built
+    (`tokenizer.compiled`; the environment variable TINYLLM_PURE_PYTHON=1 forces this
+    module's pure-Python code, which gives the same ids).
     """
 
     kind = "bpe"

@@ -135,7 +135,11 @@ def count_chunks_compiled(
     total = counters[0]
     for other in counters[1:]:
         total.merge(other)
-    return Counter(total.to_dict())
+    free.clear()  # drop every thread's map but the total before the Python dict is built
+    del counters[1:]
+    counts: Counter[str] = Counter()
+    total.to_dict(counts)
+    return counts
 
 
 # --- encoding: the token file --------------------------------------------------------------

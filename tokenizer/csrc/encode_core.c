@@ -240,86 +240,108 @@ static inline uint64_t hash_bytes(const uint8_t *p, size_t n) {
 
 /* ---- byte-string hash map (chunk cache and chunk counter share it) ---------------------- */
 
+/* Entries are dense (one per key, in insertion order); the open-addressing index holds
+ * entry number + 1 (0: empty), 4 bytes a slot, so a map of a million chunks stays small. */
 typedef struct {
     uint64_t hash;
-    size_t key_off;  /* into keys */
+    size_t key_off; /* into keys */
     uint32_t key_len;
-    uint32_t val_len;  /* cache: number of ids; counter: unused */
-    size_t val;        /* cache: offset into vals; counter: the count */
-    int used;
+    uint32_t val_len; /* cache: number of ids; counter: unused */
+    size_t val;       /* cache: offset into vals; counter: the count */
 } Slot;
 
 typedef struct {
-    Slot *slots;
-    size_t mask, count;
+    uint32_t *index;
+    size_t mask;
+    Slot *entries;
+    size_t count, cap;
     ByteBuf keys;
     IdBuf vals;
 } StrMap;
 
 static int strmap_init(StrMap *m, size_t cap) {
     memset(m, 0, sizeof(*m));
-    m->slots = calloc(cap, sizeof(Slot));
-    if (!m->slots) return -1;
+    m->index = calloc(cap, sizeof(uint32_t));
+    if (!m->index) return -1;
     m->mask = cap - 1;
     return 0;
 }
 
 static void strmap_free(StrMap *m) {
-    free(m->slots);
+    free(m->index);
+    free(m->entries);
     free(m->keys.p);
     free(m->vals.p);
     memset(m, 0, sizeof(*m));
 }
 
 static void strmap_clear(StrMap *m) {
-    memset(m->slots, 0, (m->mask + 1) * sizeof(Slot));
+    memset(m->index, 0, (m->mask + 1) * sizeof(uint32_t));
     m->count = 0;
     m->keys.len = 0;
     m->vals.len = 0;
 }
 
-/* The slot holding key, or the empty slot where it would go. */
-static inline Slot *strmap_find(const StrMap *m, const uint8_t *key, size_t len, uint64_t h) {
+/* The entry of key, or NULL; *pos is its index slot (or the empty slot where it would go). */
+static inline Slot *strmap_find(
+    const StrMap *m, const uint8_t *key, size_t len, uint64_t h, size_t *pos) {
     size_t i = (size_t)h & m->mask;
     for (;;) {
-        Slot *s = &m->slots[i];
-        if (!s->used) return s;
-        if (s->hash == h && s->key_len == len && memcmp(m->keys.p + s->key_off, key, len) == 0)
+        uint32_t e = m->index[i];
+        if (e == 0) {
+            *pos = i;
+            return NULL;
+        }
+        Slot *s = &m->entries[e - 1];
+        if (s->hash == h && s->key_len == len && memcmp(m->keys.p + s->key_off, key, len) == 0) {
+            *pos = i;
             return s;
+        }
         i = (i + 1) & m->mask;
     }
 }
 
-static int strmap_grow(StrMap *m) {
+static int strmap_grow_index(StrMap *m) {
     size_t cap = (m->mask + 1) * 2;
-    Slot *slots = calloc(cap, sizeof(Slot));
-    if (!slots) return -1;
-    for (size_t i = 0; i <= m->mask; i++) {
-        Slot *s = &m->slots[i];
-        if (!s->used) continue;
-        size_t k = (size_t)s->hash & (cap - 1);
-        while (slots[k].used) k = (k + 1) & (cap - 1);
-        slots[k] = *s;
+    uint32_t *index = calloc(cap, sizeof(uint32_t));
+    if (!index) return -1;
+    for (size_t e = 0; e < m->count; e++) {
+        size_t k = (size_t)m->entries[e].hash & (cap - 1);
+        while (index[k]) k = (k + 1) & (cap - 1);
+        index[k] = (uint32_t)(e + 1);
     }
-    free(m->slots);
-    m->slots = slots;
+    free(m->index);
+    m->index = index;
     m->mask = cap - 1;
     return 0;
 }
 
-/* Claim the empty slot s for key; the caller fills val/val_len. NULL on allocation failure. */
-static Slot *strmap_insert(StrMap *m, Slot *s, const uint8_t *key, size_t len, uint64_t h) {
-    if (len > UINT32_MAX || bytebuf_reserve(&m->keys, len)) return NULL;
-    memcpy(m->keys.p + m->keys.len, key, len);
-    s->used = 1;
+/* Add key at the empty index slot pos (from strmap_find); the caller fills val/val_len.
+ * The pointer is valid until the next insert. NULL on allocation failure (map unchanged). */
+static Slot *strmap_insert(StrMap *m, size_t pos, const uint8_t *key, size_t len, uint64_t h) {
+    if (len > UINT32_MAX || m->count >= UINT32_MAX - 1 || bytebuf_reserve(&m->keys, len))
+        return NULL;
+    if (m->count == m->cap) {
+        size_t cap = m->cap ? m->cap * 2 : 1024;
+        Slot *entries = realloc(m->entries, cap * sizeof(Slot));
+        if (!entries) return NULL;
+        m->entries = entries;
+        m->cap = cap;
+    }
+    Slot *s = &m->entries[m->count];
     s->hash = h;
     s->key_off = m->keys.len;
     s->key_len = (uint32_t)len;
+    s->val_len = 0;
+    s->val = 0;
+    memcpy(m->keys.p + m->keys.len, key, len);
     m->keys.len += len;
-    m->count++;
-    if (m->count * 2 > m->mask + 1) {
-        if (strmap_grow(m)) return NULL;
-        s = strmap_find(m, key, len, h);
+    m->index[pos] = (uint32_t)(++m->count);
+    if (m->count * 2 > m->mask + 1 && strmap_grow_index(m)) {
+        m->index[pos] = 0; /* undo: the map stays as it was */
+        m->count--;
+        m->keys.len -= len;
+        return NULL;
     }
     return s;
 }
@@ -652,11 +674,12 @@ static int encode_text(EncoderObject *self, const Text *t, IdBuf *out) {
         }
         i = j;
         uint64_t h = 0;
-        Slot *slot = NULL;
-        if (len <= CACHE_MAX_CHUNK) {
+        size_t pos = 0;
+        int cacheable = len <= CACHE_MAX_CHUNK;
+        if (cacheable) {
             h = hash_bytes(bytes, len);
-            slot = strmap_find(cache, bytes, len, h);
-            if (slot->used) {
+            Slot *slot = strmap_find(cache, bytes, len, h, &pos);
+            if (slot != NULL) {
                 if (idbuf_reserve(out, slot->val_len)) return -1;
                 memcpy(out->p + out->len, cache->vals.p + slot->val, slot->val_len * 4);
                 out->len += slot->val_len;
@@ -667,13 +690,13 @@ static int encode_text(EncoderObject *self, const Text *t, IdBuf *out) {
         if (k < 0 || idbuf_reserve(out, (size_t)k)) return -1;
         memcpy(out->p + out->len, self->scratch.ids, (size_t)k * 4);
         out->len += (size_t)k;
-        if (slot != NULL) {
+        if (cacheable) {
             if (cache->count >= CACHE_MAX_ENTRIES) {
                 strmap_clear(cache);
-                slot = strmap_find(cache, bytes, len, h);
+                strmap_find(cache, bytes, len, h, &pos);
             }
             if (idbuf_reserve(&cache->vals, (size_t)k)) return -1;
-            slot = strmap_insert(cache, slot, bytes, len, h);
+            Slot *slot = strmap_insert(cache, pos, bytes, len, h);
             if (slot == NULL) return -1;
             slot->val = cache->vals.len;
             slot->val_len = (uint32_t)k;
@@ -696,6 +719,10 @@ static int claim(int *busy) {
 /* encode(text: str) -> bytes of native uint32 ids, or None if text holds surrogates. */
 static PyObject *Encoder_encode(EncoderObject *self, PyObject *arg) {
     Text t;
+    if (self->merges == NULL) {
+        PyErr_SetString(PyExc_ValueError, "uninitialised Encoder");
+        return NULL;
+    }
     if (text_of(arg, &t) < 0 || claim(&self->busy) < 0) return NULL;
     IdBuf out = {0};
     int surrogates, failed = 0;
@@ -781,11 +808,11 @@ static int CounterObject_init(CounterObject *self, PyObject *args, PyObject *kwd
 
 static int count_add(StrMap *map, const uint8_t *key, size_t len, size_t count) {
     uint64_t h = hash_bytes(key, len);
-    Slot *s = strmap_find(map, key, len, h);
-    if (!s->used) {
-        s = strmap_insert(map, s, key, len, h);
+    size_t pos;
+    Slot *s = strmap_find(map, key, len, h, &pos);
+    if (s == NULL) {
+        s = strmap_insert(map, pos, key, len, h);
         if (s == NULL) return -1;
-        s->val = 0;
     }
     s->val += count;
     return 0;
@@ -841,10 +868,9 @@ static PyObject *Counter_merge(CounterObject *self, PyObject *arg) {
     }
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (size_t i = 0; i <= other->map.mask && !failed; i++) {
-        Slot *s = &other->map.slots[i];
-        if (s->used)
-            failed = count_add(&self->map, other->map.keys.p + s->key_off, s->key_len, s->val);
+    for (size_t e = 0; e < other->map.count && !failed; e++) {
+        Slot *s = &other->map.entries[e];
+        failed = count_add(&self->map, other->map.keys.p + s->key_off, s->key_len, s->val);
     }
     Py_END_ALLOW_THREADS
     self->busy = other->busy = 0;
@@ -852,16 +878,18 @@ static PyObject *Counter_merge(CounterObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* to_dict() -> {chunk: count}. */
-static PyObject *Counter_to_dict(CounterObject *self, PyObject *Py_UNUSED(ignored)) {
+/* to_dict(target=None) -> {chunk: count}: into `target` (a dict, e.g. a Counter) if given,
+ * so that a caller's Counter is filled without a second copy of a large dict. */
+static PyObject *Counter_to_dict(CounterObject *self, PyObject *args) {
+    PyObject *target = NULL;
+    if (!PyArg_ParseTuple(args, "|O!", &PyDict_Type, &target)) return NULL;
     if (!self->ready || claim(&self->busy) < 0) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "uninitialised ChunkCounter");
         return NULL;
     }
-    PyObject *d = PyDict_New();
-    for (size_t i = 0; d && i <= self->map.mask; i++) {
-        Slot *s = &self->map.slots[i];
-        if (!s->used) continue;
+    PyObject *d = target ? Py_NewRef(target) : PyDict_New();
+    for (size_t e = 0; d && e < self->map.count; e++) {
+        Slot *s = &self->map.entries[e];
         PyObject *k = PyUnicode_DecodeUTF8(
             (const char *)self->map.keys.p + s->key_off, s->key_len, "strict");
         PyObject *v = PyLong_FromSize_t(s->val);
@@ -879,7 +907,8 @@ static PyMethodDef Counter_methods[] = {
     {"add", (PyCFunction)Counter_add, METH_O,
      "add(text) -> True; False (nothing counted) if text holds surrogates."},
     {"merge", (PyCFunction)Counter_merge, METH_O, "merge(other): add other's counts."},
-    {"to_dict", (PyCFunction)Counter_to_dict, METH_NOARGS, "{chunk: count}."},
+    {"to_dict", (PyCFunction)Counter_to_dict, METH_VARARGS,
+     "to_dict(target=None) -> {chunk: count} (filled into target if given)."},
     {NULL},
 };
 
