@@ -161,6 +161,11 @@ def test_pure_python_switch():
         assert not gpt2_tokenizer().compiled
     with mock.patch.dict(os.environ, {compiled.PURE_PYTHON_ENV: "0"}):
         assert compiled.forced_pure_python() is False
+    with encode_path("compiled"):
+        tok = BPETokenizer.train("hello world " * 20, vocab_size=270)
+    with encode_path("python"):  # decided at construction: a later switch changes nothing
+        batch = tok.encode_batch(["hello world", "world hello"])
+    assert tok.compiled and batch == [tok.encode("hello world"), tok.encode("world hello")]
 
 
 # --- threads ---------------------------------------------------------------------------------

@@ -79,6 +79,7 @@ class BPETokenizer(Tokenizer):
                 f"inconsistent BPE tokenizer: tokens {missing[:3]} are not in the vocab"
             )
         self._cache = _ChunkCache(self._encode_chunk)
+        self._core = compiled.core_for(self.pattern)  # None: the pure-Python path
         self._core_merges = self._compiled_merges()
         self._local = threading.local()  # per thread: its compiled Encoder (own chunk cache)
 
@@ -172,7 +173,7 @@ class BPETokenizer(Tokenizer):
 
     def _compiled_merges(self):
         """The merge table in the compiled core's form, or None for the pure-Python path."""
-        core = compiled.core_for(self.pattern)
+        core = self._core
         if core is None:
             return None
         id_of = self._id_of
@@ -185,9 +186,7 @@ class BPETokenizer(Tokenizer):
     def _encoder(self):
         encoder = getattr(self._local, "encoder", None)
         if encoder is None:
-            encoder = self._local.encoder = compiled.core_for(self.pattern).Encoder(
-                self._core_merges
-            )
+            encoder = self._local.encoder = self._core.Encoder(self._core_merges)
         return encoder
 
     def _encode_ordinary_array(self, text: str) -> array:
