@@ -42,7 +42,12 @@ sys.path.insert(0, str(ROOT))
 
 from tokenizer import BPETokenizer, compiled  # noqa: E402
 from tokenizer.gpt2_files import decode_token  # noqa: E402
-from tokenizer.pretokenize import PATTERNS, compile_specials, iter_safe_pieces  # noqa: E402
+from tokenizer.pretokenize import (  # noqa: E402
+    PATTERNS,
+    _slices,
+    compile_specials,
+    iter_safe_pieces,
+)
 
 DATA = ROOT.parent / "shared" / "data"
 EOT = "<|endoftext|>"
@@ -199,7 +204,7 @@ def bench_single_thread(text: str, repeats: int) -> list[str]:
 
 def documents(text: str, size: int = 1 << 20) -> list[str]:
     """The corpus cut into ~1 MB documents at safe points (so ids add up to the whole)."""
-    return list(iter_safe_pieces([text], compile_specials([EOT]), len(EOT), size))
+    return list(iter_safe_pieces(_slices([text], size), compile_specials([EOT]), len(EOT), size))
 
 
 def bench_all_cores(text: str, repeats: int) -> list[str]:
