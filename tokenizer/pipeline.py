@@ -11,8 +11,8 @@ On the pure-Python path the same code runs on one thread (the GIL would serialis
     >>> tok = BPETokenizer.train("to be or not to be " * 9, vocab_size=262)
     >>> import io
     >>> out = io.BytesIO()
-    >>> encode_to_file(tok, ["to be ", "or not"], out, "uint16")
-    (4, 12)
+    >>> encode_to_file(tok, ["to be ", "or not"], out, "uint16")  # (tokens, characters)
+    (7, 12)
 """
 
 from __future__ import annotations
