@@ -28,6 +28,7 @@ from tests.tokenizer_helpers import (  # noqa: F401 (each_path: fixture)
     tiktoken_gpt2,
 )
 from tokenizer import BPETokenizer, compiled, pipeline
+from tokenizer import bpe as bpe_module
 from tokenizer import pretokenize as pretok
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,3 +321,16 @@ def test_class_table_cache_round_trips_and_rebuilds_a_damaged_file(tmp_path, mon
     assert cached.read_bytes() == built == compiled.class_table(c)
     cached.write_bytes(b"\x07" * 100)
     assert compiled._cached_class_table() == built
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(alphabet="aaabbcdeé", min_size=50, max_size=400))
+def test_compiled_heap_equals_python_list_merge(word):
+    """One chunk of 50-800 bytes (repeats make ties): the compiled core (heap above 64 bytes)
+    against the Python list scan forced for every length."""
+    with encode_path("compiled"):
+        fast = gpt2_tokenizer()
+    with encode_path("python"):
+        slow = gpt2_tokenizer()
+    with mock.patch.object(bpe_module, "HEAP_MIN_BYTES", 10**9):
+        assert fast.encode(word) == list(slow._encode_chunk(word))
