@@ -152,7 +152,9 @@ static int text_of(PyObject *obj, Text *t) {
         PyErr_Format(PyExc_TypeError, "expected str, got %.100s", Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (PyUnicode_READY(obj) < 0) return -1;
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(obj) < 0) return -1; /* a no-op (deprecated) from Python 3.12 on */
+#endif
     t->kind = PyUnicode_KIND(obj);
     t->ascii = PyUnicode_IS_ASCII(obj);
     t->data = PyUnicode_DATA(obj);
