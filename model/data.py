@@ -166,33 +166,19 @@ def _meta_if_whole(cache: Path, path: Path, key: dict, vocab_size: int) -> dict 
 
 
 def _build_cache(corpus, tokenizer, cache: Path, key: dict) -> dict:
-    """Stream-encode the corpus to tokens.bin (temp file + rename, so a crash leaves no half)."""
+    """Encode the corpus to tokens.bin on every core (tokenizer.pipeline: ids in order, memory
+    bounded by unique chunks), via a temp file + rename, so a crash leaves no half."""
+    from tokenizer.pipeline import encode_to_file
+
     cache.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     tmp = cache / f"tokens.bin.tmp{os.getpid()}"
     start = time.perf_counter()
-    n_tokens, n_chars = 0, 0
     try:
         with open(tmp, "wb") as f:
-            buffer: list[int] = []
-
-            def counted(pieces):
-                nonlocal n_chars
-                for piece in pieces:
-                    n_chars += len(piece)
-                    yield piece
-
-            # encode_iterable gives the ids of the whole text, wherever the pieces are cut.
-            for token in tokenizer.encode_iterable(counted(corpus.iter_texts())):
-                buffer.append(token)
-                if len(buffer) >= _WRITE_BATCH:
-                    np.asarray(buffer, dtype=dtype).tofile(f)
-                    n_tokens += len(buffer)
-                    buffer = []
-                    if sys.stderr.isatty():
-                        print(f"\rencode: {n_chars / 1e6:.1f}M characters", end="", file=sys.stderr)
-            np.asarray(buffer, dtype=dtype).tofile(f)
-            n_tokens += len(buffer)
+            n_tokens, n_chars = encode_to_file(
+                tokenizer, corpus.iter_texts(), f, np.dtype(dtype).name, progress=True
+            )
         if n_tokens == 0:
             raise UsageError(f"the corpus {corpus.name} is empty: nothing to train on")
         os.replace(tmp, cache / "tokens.bin")
@@ -202,8 +188,7 @@ def _build_cache(corpus, tokenizer, cache: Path, key: dict) -> dict:
     write_atomic(cache / "meta.json", json.dumps(meta, indent=1))
     seconds = time.perf_counter() - start
     print(
-        ("\r" if sys.stderr.isatty() else "")
-        + f"encode: {n_chars:,} characters -> {n_tokens:,} tokens in {seconds:.1f} s "
+        f"encode: {n_chars:,} characters -> {n_tokens:,} tokens in {seconds:.1f} s "
         f"(cached in {cache})",
         file=sys.stderr,
     )

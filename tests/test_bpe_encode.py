@@ -11,18 +11,24 @@ from itertools import islice, pairwise
 from unittest import mock
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.tokenizer_helpers import EOT, data_file, gpt2_tokenizer
-from tokenizer import BPETokenizer, UsageError, base
+from tests.tokenizer_helpers import EOT, data_file, each_path, gpt2_tokenizer  # noqa: F401
+from tokenizer import BPETokenizer, UsageError, base, compiled
+from tokenizer import bpe as bpe_module
 
 DOUBLE = EOT + EOT
 SPECIALS = [EOT, DOUBLE, "<|pad|>"]
 
 
-@cache
 def small_bpe() -> BPETokenizer:
+    """A small trained BPE, on the path the environment selects (see `each_path`)."""
+    return _small_bpe(compiled.forced_pure_python() or not compiled.built())
+
+
+@cache
+def _small_bpe(pure_python: bool) -> BPETokenizer:
     text = "the cat sat on the mat; the dog didn't. Ünïcödé 日本語 🙂🙂 1234 5678\n\n  x " * 40
     return BPETokenizer.train(text, vocab_size=256 + 60 + len(SPECIALS), special_tokens=SPECIALS)
 
@@ -38,13 +44,19 @@ texts_with_specials = st.lists(
 ).map("".join)
 
 
-@settings(max_examples=150, deadline=None)
+# The `each_path` fixture runs once per test (not per example): that is what is wanted here.
+ONCE_PER_TEST = [HealthCheck.function_scoped_fixture]
+
+
+@pytest.mark.usefixtures("each_path")
+@settings(max_examples=150, deadline=None, suppress_health_check=ONCE_PER_TEST)
 @given(texts_with_specials)
 def test_decode_encode_round_trip(text):
     for tok in tokenizers():
         assert tok.decode(tok.encode(text)) == text
 
 
+@pytest.mark.usefixtures("each_path")
 def test_overlapping_specials_take_the_longest_match():
     tok = small_bpe()
     eot, double = tok.special_tokens[EOT], tok.special_tokens[DOUBLE]
@@ -61,7 +73,8 @@ def test_specials_are_split_before_pretokenization():
     assert tok.encode_ordinary(EOT) != [tok.special_tokens[EOT]]
 
 
-@settings(max_examples=100, deadline=None)
+@pytest.mark.usefixtures("each_path")
+@settings(max_examples=100, deadline=None, suppress_health_check=ONCE_PER_TEST)
 @given(
     texts_with_specials,
     st.lists(st.integers(min_value=0, max_value=200), max_size=8),
@@ -136,6 +149,7 @@ def test_unknown_ids_are_a_usage_error():
         small_bpe().decode([10**6])
 
 
+@pytest.mark.usefixtures("each_path")
 def test_utility_methods():
     tok = gpt2_tokenizer()
     text = "Hello, world! Hello again."
@@ -177,3 +191,46 @@ def test_gpt4_pattern_round_trips_and_splits_differently():
     assert tok.pattern != BPETokenizer.train(text * 20, vocab_size=270).pattern
     with pytest.raises(UsageError, match="pattern"):
         BPETokenizer.train(text, vocab_size=270, pattern="(unclosed")
+
+
+# --- long chunks: the heap merge (O(n log n)) equals the list scan (O(n^2)) -------------------
+
+few_letters = st.text(alphabet="aabbcde é", min_size=2, max_size=300)
+
+
+@settings(max_examples=80, deadline=None)
+@given(few_letters)
+def test_heap_merge_equals_list_merge(text):
+    for tok in tokenizers():
+        with mock.patch.object(bpe_module, "HEAP_MIN_BYTES", 10**9):
+            by_list = tok._encode_chunk(text)
+        with mock.patch.object(bpe_module, "HEAP_MIN_BYTES", 1):
+            by_heap = tok._encode_chunk(text)
+        assert by_heap == by_list
+
+
+def test_a_long_single_word_encodes_like_its_list_merge():
+    """A 20 KB word through both merges, then a 100 KB word (the list scan would need
+    minutes: each of its ~70,000 merges scans the list)."""
+    text = data_file("tinyshakespeare.txt").read_text(encoding="utf-8")
+    word = "".join(c for c in text[:400_000] if c.isalpha())
+    tok = gpt2_tokenizer()
+    with mock.patch.object(bpe_module, "HEAP_MIN_BYTES", 10**9):
+        by_list = tok._encode_chunk(word[:20_000])
+    assert tok._encode_chunk(word[:20_000]) == by_list
+    ids = BPETokenizer.encode(tok, word[:100_000])
+    assert tok.decode(ids) == word[:100_000] and len(ids) < 40_000
+
+
+@pytest.mark.usefixtures("each_path")
+def test_a_users_pattern_that_matches_the_empty_string_encodes():
+    """`\\w*` matches "" before every space: the empty chunks are dropped, not encoded."""
+    tok = BPETokenizer.train("ab ab ab  abc " * 5, vocab_size=262, pattern=r"\w*|\s")
+    ids = tok.encode("ab  abc ba")
+    assert tok.decode(ids) == "ab  abc ba" and ids == tok.encode_ordinary("ab  abc ba")
+    assert BPETokenizer(tok.vocab, tok.merges, pattern=r"x*").encode("a b") == []
+
+
+def test_a_users_pattern_with_a_capturing_group_is_refused():
+    with pytest.raises(UsageError, match="capturing group"):
+        BPETokenizer.train("ab ab", vocab_size=260, pattern=r"(\w+)|\s")

@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.tokenizer_helpers import CS336, EOT, data_file, use_merge_loop
+from tests.tokenizer_helpers import (  # noqa: F401 (each_path is a fixture)
+    CS336,
+    EOT,
+    data_file,
+    each_path,
+    use_merge_loop,
+)
 from tokenizer import BPETokenizer, UsageError
 from tokenizer import pretokenize as pretok
 from tokenizer.bpe_train import _train_merges_python, train_merges
@@ -25,7 +31,7 @@ def merge_loop(request, monkeypatch):
     return request.param
 
 
-def test_cs336_reference_merges_and_vocab(merge_loop):
+def test_cs336_reference_merges_and_vocab(merge_loop):  # both paths: counting and merges
     corpus = data_file("cs336", "corpus.en").read_text(encoding="utf-8")
     tok = BPETokenizer.train(corpus, vocab_size=500, special_tokens=[EOT])
 
@@ -129,11 +135,13 @@ def test_vocab_size_below_bytes_plus_specials_is_a_usage_error(vocab_size):
 
 
 @pytest.mark.parametrize("corpus", ["", [], ["", ""], EOT * 3])
+@pytest.mark.usefixtures("each_path")
 def test_empty_corpus_is_a_usage_error(corpus):
     with pytest.raises(UsageError, match="empty"):
         BPETokenizer.train(corpus, vocab_size=300, special_tokens=[EOT])
 
 
+@pytest.mark.usefixtures("each_path")
 def test_iterable_corpus_equals_string_corpus():
     text = data_file("cs336", "corpus.en").read_text(encoding="utf-8")
     whole = BPETokenizer.train(text, vocab_size=400, special_tokens=[EOT])
@@ -141,6 +149,7 @@ def test_iterable_corpus_equals_string_corpus():
     assert lines.merges == whole.merges and lines.vocab == whole.vocab
 
 
+@pytest.mark.usefixtures("each_path")
 def test_parallel_chunk_counting_equals_serial(monkeypatch):
     text = data_file("cs336", "corpus.en").read_text(encoding="utf-8")
     serial = pretok.count_chunks_in_text(text, pretok.PATTERNS["gpt2"], pretok.regex.escape(EOT))

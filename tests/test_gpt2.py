@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.tokenizer_helpers import CS336, EOT, data_file, gpt2_paths, gpt2_tokenizer, tiktoken_gpt2
+from tests.tokenizer_helpers import (  # noqa: F401 (each_path: fixture)
+    CS336,
+    EOT,
+    data_file,
+    each_path,
+    gpt2_paths,
+    gpt2_tokenizer,
+    tiktoken_gpt2,
+)
 from tokenizer import BPETokenizer
 from tokenizer.gpt2_files import read_gpt2_files, write_tiktoken_file
 
@@ -27,11 +35,13 @@ def test_gpt2_ids_are_not_bytes_then_merges():
     assert tok.encode("\x00!") == [188, 0]
 
 
+@pytest.mark.usefixtures("each_path")
 def test_matches_tiktoken_on_tiny_shakespeare():
     text = data_file("tinyshakespeare.txt").read_text(encoding="utf-8")
     assert gpt2_tokenizer().encode(text) == tiktoken_gpt2().encode_ordinary(text)
 
 
+@pytest.mark.usefixtures("each_path")
 @pytest.mark.parametrize("name", ["address.txt", "german.txt", "tinystories_sample.txt"])
 def test_matches_tiktoken_on_cs336_samples(name):
     text = data_file("cs336", name).read_text(encoding="utf-8")
@@ -42,13 +52,32 @@ def test_matches_tiktoken_on_cs336_samples(name):
         assert ours.count(50256) == text.count(EOT) > 0
 
 
-@settings(max_examples=200, deadline=None)
+# The `path` fixture runs once per test (not per example): that is what is wanted here.
+ONCE_PER_TEST = [HealthCheck.function_scoped_fixture]
+
+
+@pytest.mark.usefixtures("each_path")
+@settings(max_examples=200, deadline=None, suppress_health_check=ONCE_PER_TEST)
 @given(st.text(max_size=60))
 def test_matches_tiktoken_on_arbitrary_unicode(text):
     assert gpt2_tokenizer().encode(text) == tiktoken_gpt2().encode(text, allowed_special={EOT})
 
 
-@settings(max_examples=50, deadline=None)
+surrogate = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+
+
+@pytest.mark.usefixtures("each_path")
+@settings(max_examples=60, deadline=None, suppress_health_check=ONCE_PER_TEST)
+@given(st.lists(st.one_of(st.text(max_size=6), surrogate), min_size=1, max_size=8).map("".join))
+def test_lone_surrogates_become_replacement_characters_as_in_tiktoken(text):
+    ours = gpt2_tokenizer().encode(text)
+    assert ours == tiktoken_gpt2().encode(text, allowed_special={EOT})
+    assert ours == gpt2_tokenizer().encode_ordinary(text.encode("utf-16", "surrogatepass").decode(
+        "utf-16", "replace"))  # fmt: skip
+
+
+@pytest.mark.usefixtures("each_path")
+@settings(max_examples=50, deadline=None, suppress_health_check=ONCE_PER_TEST)
 @given(st.lists(st.one_of(st.text(max_size=10), st.just(EOT)), max_size=6).map("".join))
 def test_matches_tiktoken_with_special_tokens(text):
     assert gpt2_tokenizer().encode(text) == tiktoken_gpt2().encode(text, allowed_special={EOT})

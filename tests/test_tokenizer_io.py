@@ -127,3 +127,57 @@ def test_inconsistent_contents_are_a_usage_error(tmp_path):
 def test_a_missing_file_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="no such tokenizer file"):
         load_tokenizer(tmp_path / "nope.pkl")
+
+
+# --- crafted values: a file may be well-formed and still lie --------------------------------
+
+
+def _small_payload() -> dict:
+    tok = BPETokenizer.train("low lower lowest " * 20, vocab_size=260, special_tokens=[EOT])
+    return {"format": "tinyllm-tokenizer", "version": 1, "kind": "bpe", **tok._params()}
+
+
+def _shift_id(payload: dict, new_id: int) -> dict:
+    vocab = dict(payload["vocab"])
+    vocab[new_id] = vocab.pop(max(vocab))
+    return {**payload, "vocab": vocab}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: {**p, "pattern": r"(a+)+$"}, "pattern is not one of gpt2, gpt4"),
+        (lambda p: {**p, "pattern": r"a*"}, "pattern is not one of gpt2, gpt4"),
+        (lambda p: _shift_id(p, 10**12), r"token ids are not 0\.\.259"),
+        (lambda p: _shift_id(p, 2**40), r"token ids are not 0\.\.259"),
+        (lambda p: _shift_id(p, -1), r"token ids are not 0\.\.259"),
+        (lambda p: {**p, "special_tokens": {EOT: 2**40}}, "special token id is outside"),
+        (lambda p: {**p, "special_tokens": {EOT: -5}}, "special token id is outside"),
+    ],
+    ids=["catastrophic-regex", "empty-match-regex", "id-1e12", "id-2e40", "id-negative",
+         "special-2e40", "special-negative"],
+)  # fmt: skip
+def test_crafted_values_are_refused_in_one_line(tmp_path, change, message):
+    path = tmp_path / "crafted.pkl"
+    path.write_bytes(pickle.dumps(change(_small_payload())))
+    with pytest.raises(UsageError, match=message) as err:
+        load_tokenizer(path)
+    assert "\n" not in str(err.value) and "crafted.pkl" in str(err.value)
+
+
+def test_char_file_with_a_pattern_is_refused(tmp_path):
+    tok = CharTokenizer.train("abc")
+    payload = {"format": "tinyllm-tokenizer", "version": 1, "kind": "char", **tok._params()}
+    path = tmp_path / "char.pkl"
+    path.write_bytes(pickle.dumps({**payload, "pattern": r"(x+x+)+y"}))
+    with pytest.raises(UsageError, match="pattern is not one of"):
+        load_tokenizer(path)
+
+
+@pytest.mark.parametrize("bad_id", [10**12, 2**40, -1, 260])
+def test_constructor_range_checks_ids(bad_id):
+    params = _small_payload()
+    with pytest.raises(UsageError, match=r"token ids must be|outside"):
+        BPETokenizer(_shift_id(params, bad_id)["vocab"], params["merges"], {}, "gpt2")
+    with pytest.raises(UsageError, match="outside"):
+        BPETokenizer(params["vocab"], params["merges"], {EOT: bad_id}, "gpt2")

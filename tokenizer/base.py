@@ -22,6 +22,8 @@ from tokenizer.pretokenize import compile_specials, iter_safe_pieces, split_spec
 
 # encode_iterable encodes once it holds this many characters (and finds a safe cut).
 STREAM_PIECE_CHARS = 1 << 16
+# No tokenizer has this many tokens (GPT-4o has 200K); a larger one is a damaged file.
+MAX_VOCAB_SIZE = 1 << 24
 
 
 class Tokenizer:
@@ -46,7 +48,9 @@ class Tokenizer:
 
     # --- encoding ---------------------------------------------------------------------------
     def _set_specials(self) -> None:
-        """Compile the special-token splitter once `special_tokens` is set."""
+        """Check the ids and compile the special-token splitter once `vocab` and
+        `special_tokens` are set."""
+        check_token_ids(self.vocab, self.special_tokens)
         self._specials_re = compile_specials(self.special_tokens)
         self._max_special_len = max(map(len, self.special_tokens), default=0)
 
@@ -186,6 +190,24 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+def check_token_ids(vocab: dict[int, bytes], special_tokens: dict[str, int]) -> None:
+    """UsageError unless the ids are exactly 0..len(vocab)-1 (at most MAX_VOCAB_SIZE) and every
+    special token's id is one of them.
+
+    Token arrays are sized and typed by the vocab size (uint16 up to 65,536 tokens), so an id
+    outside that range, e.g. 10**12 or -1 in a crafted file, must never get that far.
+    """
+    n = len(vocab)
+    if n > MAX_VOCAB_SIZE:
+        raise UsageError(f"vocabulary of {n} tokens is larger than {MAX_VOCAB_SIZE}")
+    if n and (min(vocab) != 0 or max(vocab) != n - 1):
+        bad = min(vocab) if min(vocab) != 0 else max(vocab)
+        raise UsageError(f"token ids must be 0..{n - 1} (the vocab size - 1), found id {bad}")
+    for text, idx in special_tokens.items():
+        if not 0 <= idx < n:
+            raise UsageError(f"special token {text!r} has id {idx}, outside 0..{n - 1}")
 
 
 def normalize_specials(special_tokens: Iterable[str]) -> list[str]:

@@ -9,20 +9,28 @@ True
 
 from __future__ import annotations
 
+import heapq
 import os
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from array import array
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from itertools import chain, pairwise
 from typing import Any, Self
 
+from tokenizer import compiled
 from tokenizer.base import Tokenizer, normalize_specials
 from tokenizer.bpe_train import train_merges
 from tokenizer.errors import UsageError
 from tokenizer.gpt2_files import read_gpt2_files, read_tiktoken_file, write_gpt2_files
-from tokenizer.pretokenize import compile_pattern, count_chunks
+from tokenizer.pretokenize import compile_pattern, count_chunks, split_specials
 
 _SINGLE_BYTES = [bytes([b]) for b in range(256)]
 _NO_RANK = 1 << 62  # above every merge rank; an int compares faster than inf
 CACHE_MAX_ENTRIES = 1 << 18
+# Chunks longer than this many bytes are merged with a heap (O(n log n)) instead of the list
+# scan (O(n^2), faster for the short chunks of real text).
+HEAP_MIN_BYTES = 64
 
 
 class BPETokenizer(Tokenizer):
@@ -31,6 +39,10 @@ class BPETokenizer(Tokenizer):
     `vocab` maps ids to bytes (any ids: GPT-2's are not "bytes, then merges in order");
     `merges` lists the merged pairs by rank (lowest rank merges first when encoding);
     `special_tokens` maps special-token text to id.
+
+    With the gpt2 or gpt4 pattern, encoding runs in the compiled core when it was built
+    (`tokenizer.compiled`; the environment variable TINYLLM_PURE_PYTHON=1 forces this
+    module's pure-Python code, which gives the same ids).
     """
 
     kind = "bpe"
@@ -67,6 +79,9 @@ class BPETokenizer(Tokenizer):
                 f"inconsistent BPE tokenizer: tokens {missing[:3]} are not in the vocab"
             )
         self._cache = _ChunkCache(self._encode_chunk)
+        self._core = compiled.core_for(self.pattern)  # None: the pure-Python path
+        self._core_merges = self._compiled_merges()
+        self._local = threading.local()  # per thread: its compiled Encoder (own chunk cache)
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -95,7 +110,7 @@ class BPETokenizer(Tokenizer):
                 f" + {len(specials)} special tokens = {minimum}"
             )
         source = compile_pattern(pattern).pattern
-        counts = count_chunks(corpus, source, specials)
+        counts = count_chunks(corpus, source, specials, progress=progress)
         if not counts:
             raise UsageError("the corpus is empty: no text to train the tokenizer on")
         merges = train_merges(counts, vocab_size - minimum, progress=progress)
@@ -151,6 +166,68 @@ class BPETokenizer(Tokenizer):
         write_gpt2_files(self.vocab, self.merges, self.special_tokens, vocab_json, merges_txt)
 
     # --- encoding ---------------------------------------------------------------------------
+    @property
+    def compiled(self) -> bool:
+        """Whether this tokenizer encodes with the compiled core (see `tokenizer.compiled`)."""
+        return self._core_merges is not None
+
+    def _compiled_merges(self):
+        """The merge table in the compiled core's form, or None for the pure-Python path."""
+        core = self._core
+        if core is None:
+            return None
+        id_of = self._id_of
+        byte_ids = array("I", [id_of[b] for b in _SINGLE_BYTES])
+        triples = array("I")
+        for a, b in self.merges:
+            triples.extend((id_of[a], id_of[b], id_of[a + b]))
+        return core.Merges(compiled.PATTERN_IDS[self.pattern], byte_ids, triples)
+
+    def _encoder(self):
+        encoder = getattr(self._local, "encoder", None)
+        if encoder is None:
+            encoder = self._local.encoder = self._core.Encoder(self._core_merges)
+        return encoder
+
+    def _encode_ordinary_array(self, text: str) -> array:
+        """Ids of ordinary text as an array('I') (compiled path: no Python int per token)."""
+        out = array("I")
+        if self._core_merges is None:
+            out.extend(self.encode_ordinary(text))
+            return out
+        encoder = self._encoder()
+        ids = encoder.encode(text)
+        if ids is None:  # surrogates: replace them as the Python path does
+            ids = encoder.encode(compiled.replace_surrogates(text))
+        out.frombytes(ids)
+        return out
+
+    def encode_array(self, text: str) -> array:
+        """`array("I", encode(text))`, built without a Python int per token on the compiled
+        path. The C work releases the GIL, so threads encode in parallel.
+
+        >>> tok = BPETokenizer.train("aaab" * 10, vocab_size=258, special_tokens=["<s>"])
+        >>> tok.encode_array("aab<s>").tolist()
+        [256, 98, 257]
+        """
+        if self._specials_re is None:
+            return self._encode_ordinary_array(text)
+        out = array("I")
+        for i, segment in enumerate(split_specials(text, self._specials_re)):
+            if i % 2:
+                out.append(self.special_tokens[segment])
+            elif segment:
+                out.extend(self._encode_ordinary_array(segment))
+        return out
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`[encode(t) for t in texts]`; on the compiled path, on a thread per core."""
+        if self._core_merges is None or len(texts) < 2:
+            return super().encode_batch(texts)
+        workers = min(len(texts), compiled.worker_count())
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(self.encode, texts))
+
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids of `text` with special tokens treated as plain text.
 
@@ -158,6 +235,9 @@ class BPETokenizer(Tokenizer):
         >>> tok.encode("aab<s>"), tok.encode_ordinary("aab")
         ([256, 98, 257], [256, 98])
         """
+        if self._core_merges is not None:
+            return self._encode_ordinary_array(text).tolist()
+        text = compiled.replace_surrogates(text)
         # findall (one C call) beats finditer; the cache computes a missing chunk itself
         # (__missing__), so the lookups and the flattening all run in C.
         chunks = self._split_re.findall(text)
@@ -169,14 +249,17 @@ class BPETokenizer(Tokenizer):
         """BPE of one chunk: repeatedly merge the leftmost adjacent pair of lowest merge rank.
 
         Merging one occurrence at a time equals merging all occurrences of the best pair left
-        to right: a pair made by a merge always ranks after the merge that made it. The ranks
-        of adjacent pairs live in a list, so min() and index() run in C and a merge only
-        refreshes its two neighbours.
+        to right: a pair made by a merge always ranks after the merge that made it. Short
+        chunks (almost all) keep the ranks of adjacent pairs in a list, so min() and index()
+        run in C and a merge only refreshes its two neighbours; that is O(n^2) in the chunk's
+        length, so long chunks (a megabyte "word") take the O(n log n) heap of `_merge_heap`.
         """
         parts = [_SINGLE_BYTES[b] for b in chunk.encode("utf-8")]
         id_of = self._id_of
-        if len(parts) == 1:
-            return (id_of[parts[0]],)
+        if len(parts) <= 1:  # an empty match of a user's pattern has no tokens
+            return (id_of[parts[0]],) if parts else ()
+        if len(parts) > HEAP_MIN_BYTES:
+            return tuple(_merge_heap([id_of[p] for p in parts], self._merge_table()))
         get = self._ranks.get
         ranks = [get(pair, _NO_RANK) for pair in pairwise(parts)]
         while (best := min(ranks)) != _NO_RANK:
@@ -192,6 +275,17 @@ class BPETokenizer(Tokenizer):
                 break
         return tuple([id_of[p] for p in parts])
 
+    def _merge_table(self) -> dict[int, tuple[int, int]]:
+        """(left id << 32 | right id) -> (rank, merged id), built on first use (long chunks)."""
+        table = getattr(self, "_merge_of", None)
+        if table is None:
+            id_of = self._id_of
+            table = {}
+            for (a, b), rank in self._ranks.items():
+                table[id_of[a] << 32 | id_of[b]] = (rank, id_of[a + b])
+            self._merge_of = table
+        return table
+
     # --- persistence ------------------------------------------------------------------------
     def _params(self) -> dict[str, Any]:
         return {
@@ -204,6 +298,40 @@ class BPETokenizer(Tokenizer):
     @classmethod
     def _from_params(cls, params: dict[str, Any]) -> Self:
         return cls(params["vocab"], params["merges"], params["special_tokens"], params["pattern"])
+
+
+def _merge_heap(ids: list[int], merge_of: Mapping[int, tuple[int, int]]) -> list[int]:
+    """The merges of `_encode_chunk` in O(n log n), in the same order (lowest rank, then
+    leftmost), on token ids: `merge_of[a << 32 | b]` is (rank, merged id) of the pair (a, b).
+
+    Symbols form a linked list over their start positions; the heap holds (rank, position) of
+    every adjacent pair ever formed. An entry is stale (lazy deletion) when the symbol at that
+    position died or its pair changed since; a rank names one pair, so an entry is current
+    exactly when the pair now at its position still has that rank.
+    """
+    n = len(ids)
+    nxt = [*range(1, n), -1]
+    prv = list(range(-1, n - 1))
+    get = merge_of.get
+    heap = [(m[0], i) for i in range(n - 1) if (m := get(ids[i] << 32 | ids[i + 1]))]
+    heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
+    while heap:
+        rank, i = pop(heap)
+        j = nxt[i]
+        if j < 0 or ids[i] < 0 or (m := get(ids[i] << 32 | ids[j])) is None or m[0] != rank:
+            continue
+        new = ids[i] = m[1]
+        ids[j] = -1
+        k = nxt[i] = nxt[j]
+        if k >= 0:
+            prv[k] = i
+            if m := get(new << 32 | ids[k]):
+                push(heap, (m[0], i))
+        p = prv[i]
+        if p >= 0 and (m := get(ids[p] << 32 | new)):
+            push(heap, (m[0], p))
+    return [t for t in ids if t >= 0]
 
 
 class _ChunkCache(dict[str, tuple[int, ...]]):

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from tokenizer.atomic import write_atomic
-from tokenizer.base import Tokenizer
+from tokenizer.base import MAX_VOCAB_SIZE, Tokenizer
 from tokenizer.errors import UsageError
+from tokenizer.pretokenize import PATTERNS
 
 FORMAT = "tinyllm-tokenizer"
 VERSION = 1
@@ -92,6 +93,18 @@ def _check_payload(payload: Any) -> str:
         return "special_tokens are not {str: int}"
     if type(pattern) is not str:
         return "pattern is not a string"
+    # The pattern runs on every text encoded: a crafted one could hang the encoder, so only
+    # the patterns this code ships are accepted.
+    known = {"bpe": {*PATTERNS, *PATTERNS.values()}, "char": {""}}[payload["kind"]]
+    if pattern not in known:
+        return "its pre-tokenization pattern is not one of gpt2, gpt4"
+    if len(vocab) > MAX_VOCAB_SIZE:
+        return f"vocabulary of {len(vocab)} tokens, more than {MAX_VOCAB_SIZE}"
+    n = len(vocab)
+    if n and (min(vocab) != 0 or max(vocab) != n - 1):
+        return f"token ids are not 0..{n - 1}"
+    if not all(0 <= idx < n for idx in specials.values()):
+        return f"a special token id is outside 0..{n - 1}"
     return ""
 
 

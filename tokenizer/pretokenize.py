@@ -50,11 +50,16 @@ def resolve_pattern(pattern: str) -> str:
     """
     source = PATTERNS.get(pattern, pattern)
     try:
-        regex.compile(source)
+        compiled = regex.compile(source)
     except regex.error as exc:
         raise UsageError(
             f"bad pre-tokenization pattern {pattern!r}: {exc}; use 'gpt2' or 'gpt4'"
         ) from None
+    if compiled.groups:
+        # findall would return the groups, not the chunks.
+        raise UsageError(
+            f"pre-tokenization pattern {pattern!r} has a capturing group: write (?:...)"
+        )
     return source
 
 
@@ -152,13 +157,17 @@ def count_chunks_in_text(text: str, pattern: str, specials: str | None) -> Count
     Takes pattern sources (strings) rather than compiled patterns so that it can run in a
     worker process; `regex` caches compiled patterns per process.
     """
+    from tokenizer.compiled import replace_surrogates
+
     split_re = regex.compile(pattern)
     specials_re = regex.compile(specials) if specials else None
+    text = replace_surrogates(text)  # as encoding does (tiktoken's behaviour)
     counts: Counter[str] = Counter()
     for i, segment in enumerate(split_specials(text, specials_re)):
         if i % 2 == 0 and segment:
             # Counter over findall's list runs in C; finditer would cost a Python call per chunk.
             counts.update(split_re.findall(segment))
+    counts.pop("", None)  # a user's pattern may match the empty string: no bytes, no tokens
     return counts
 
 
@@ -167,12 +176,15 @@ def count_chunks(
     pattern: str,
     special_tokens: Iterable[str] = (),
     workers: int | None = None,
+    progress: bool = False,
 ) -> Counter[str]:
     """Count the unique pre-tokenized chunks of a corpus (str or iterable of str).
 
-    Large inputs (more than PARALLEL_MIN_CHARS characters) are read in safe pieces and counted
-    in worker processes; memory stays bounded by the number of unique chunks plus a few pieces
-    in flight, not by the corpus size.
+    With the compiled core (gpt2/gpt4 patterns, see `tokenizer.compiled`), threads count on
+    every core (`pipeline.count_chunks_compiled`). On the pure-Python path, large inputs (more
+    than PARALLEL_MIN_CHARS characters) are read in safe pieces and counted in worker
+    processes. Memory stays bounded by the number of unique chunks plus a few pieces in
+    flight, not by the corpus size.
 
     >>> count_chunks("a a a", "gpt2")
     Counter({' a': 2, 'a': 1})
@@ -183,6 +195,14 @@ def count_chunks(
     max_special_len = max(map(len, special_tokens), default=0)
     specials_src = specials_re.pattern if specials_re is not None else None
     parts = [corpus] if isinstance(corpus, str) else corpus
+    from tokenizer import compiled, pipeline
+
+    core = compiled.core_for(source)
+    if core is not None:
+        pattern_id = compiled.PATTERN_IDS[source]
+        return pipeline.count_chunks_compiled(
+            core, pattern_id, parts, specials_re, max_special_len, workers, progress
+        )
     if isinstance(corpus, str) and len(corpus) < PARALLEL_MIN_CHARS:
         return count_chunks_in_text(corpus, source, specials_src)
 

@@ -71,6 +71,14 @@ def run_tokenize(cfg: Config, run_dir: Path) -> dict:
     corpus = corpus_for(cfg)
     start = time.perf_counter()
     print(f"tokenize: {cfg.tokenizer.kind} tokenizer on {corpus.name}", file=sys.stderr)
+    if cfg.tokenizer.kind != "char":
+        from tokenizer import compiled
+
+        if not compiled.built():
+            print(f"tokenize: {compiled.UNAVAILABLE}", file=sys.stderr)
+        elif compiled.forced_pure_python():
+            print(f"tokenize: {compiled.PURE_PYTHON_ENV} is set: using the pure-Python path",
+                  file=sys.stderr)  # fmt: skip
     head: list[str] = []  # the corpus's first characters, kept as training reads them
     tokenizer = build_tokenizer(cfg, _keep_head(corpus.iter_texts(), head), progress=True)
     seconds = time.perf_counter() - start

@@ -1,0 +1,178 @@
+"""Corpus-scale work on every core: counting chunks (training) and encoding to a token file.
+
+A corpus streams through `iter_safe_pieces` (cut only where no chunk or special token can
+straddle), and the pieces go to a thread pool: the compiled core releases the GIL, so the
+threads run in parallel. At most `2 x workers` pieces are in flight, and results are taken in
+submission order, so the ids equal those of encoding the whole text at once, and memory is
+bounded by the unique chunks (the counts, the per-thread chunk caches), not by the corpus.
+On the pure-Python path the same code runs on one thread (the GIL would serialise it anyway).
+
+    >>> from tokenizer import BPETokenizer
+    >>> tok = BPETokenizer.train("to be or not to be " * 9, vocab_size=262)
+    >>> import io
+    >>> out = io.BytesIO()
+    >>> encode_to_file(tok, ["to be ", "or not"], out, "uint16")  # (tokens, characters)
+    (7, 12)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import IO, TYPE_CHECKING, TypeVar
+
+import numpy as np
+
+from tokenizer import compiled, pretokenize
+from tokenizer.pretokenize import _slices, iter_safe_pieces, split_specials
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import regex
+
+    from tokenizer.bpe import BPETokenizer
+
+T = TypeVar("T")
+ENCODE_PIECE_CHARS = 1 << 20
+
+
+class Throughput:
+    """Progress on stderr: MB done and MB/s. On a terminal one line is redrawn (at most ~10
+    times a second); otherwise a plain line at most every `every` seconds, and a last one."""
+
+    def __init__(self, desc: str, enabled: bool = True, every: float = 10.0) -> None:
+        self.desc, self.enabled, self.every = desc, enabled, every
+        self.tty = enabled and sys.stderr.isatty()
+        self.bytes = 0
+        self.start = self._last = time.perf_counter()
+
+    def update(self, n_bytes: int) -> None:
+        self.bytes += n_bytes
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self._last >= (0.1 if self.tty else self.every):
+            self._last = now
+            self._draw(now, "\r" if self.tty else "", "" if self.tty else "\n")
+
+    def close(self) -> None:
+        if self.enabled and self.bytes:
+            self._draw(time.perf_counter(), "\r" if self.tty else "", "\n")
+
+    def _draw(self, now: float, head: str, tail: str) -> None:
+        elapsed = max(now - self.start, 1e-9)
+        mb = self.bytes / 1e6
+        sys.stderr.write(f"{head}{self.desc}: {mb:,.1f} MB, {mb / elapsed:,.1f} MB/s{tail}")
+        sys.stderr.flush()
+
+
+def utf8_size(text: str) -> int:
+    """len(text.encode("utf-8")), without the copy for ASCII text."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def ordered_map(
+    fn: Callable[[str], T], pieces: Iterable[str], workers: int
+) -> Iterator[tuple[str, T]]:
+    """(piece, fn(piece)) in input order, fn run on `workers` threads, at most 2 x workers
+    pieces in flight (so memory stays a few pieces, however long the input)."""
+    if workers <= 1:
+        for piece in pieces:
+            yield piece, fn(piece)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        window: list[tuple[str, Future[T]]] = []
+        for piece in pieces:
+            window.append((piece, pool.submit(fn, piece)))
+            if len(window) >= 2 * workers:
+                done, future = window.pop(0)
+                yield done, future.result()
+        for done, future in window:
+            yield done, future.result()
+
+
+# --- training: chunk counts ----------------------------------------------------------------
+
+
+def count_chunks_compiled(
+    core: ModuleType,
+    pattern_id: int,
+    parts: Iterable[str],
+    specials_re: regex.Pattern | None,
+    max_special_len: int,
+    workers: int | None = None,
+    progress: bool = False,
+) -> Counter[str]:
+    """chunk -> count over a stream of text, counted by the compiled core on every core.
+
+    Each thread owns a `ChunkCounter` (a C hash map of chunk bytes -> count); they are merged
+    at the end, and only then is one Python str made per unique chunk.
+    """
+    workers = workers or compiled.worker_count()
+    counters: list = [core.ChunkCounter(pattern_id) for _ in range(workers)]
+    free = list(counters)  # counters not in use; list.pop/append are atomic under the GIL
+
+    def count(piece: str) -> int:
+        counter = free.pop()
+        try:
+            for i, segment in enumerate(split_specials(piece, specials_re)):
+                if i % 2 == 0 and segment and not counter.add(segment):
+                    counter.add(compiled.replace_surrogates(segment))
+        finally:
+            free.append(counter)
+        return utf8_size(piece)
+
+    bar = Throughput("count chunks", enabled=progress)
+    size = pretokenize.PIECE_CHARS
+    pieces = iter_safe_pieces(_slices(parts, size), specials_re, max_special_len, size)
+    for _, n_bytes in ordered_map(count, pieces, workers):
+        bar.update(n_bytes)
+    bar.close()
+    total = counters[0]
+    for other in counters[1:]:
+        total.merge(other)
+    free.clear()  # drop every thread's map but the total before the Python dict is built
+    del counters[1:]
+    counts: Counter[str] = Counter()
+    total.to_dict(counts)
+    return counts
+
+
+# --- encoding: the token file --------------------------------------------------------------
+
+
+def encode_to_file(
+    tokenizer: BPETokenizer,
+    parts: Iterable[str],
+    out: IO[bytes],
+    dtype: str,
+    workers: int | None = None,
+    progress: bool = False,
+) -> tuple[int, int]:
+    """Write the ids of "".join(parts) to `out` as `dtype` (uint16/uint32); returns
+    (tokens, characters). Threads on the compiled path, one thread otherwise; any tokenizer
+    (char, BPE on a user's pattern) works through its `encode`."""
+    specials_re = getattr(tokenizer, "_specials_re", None)
+    max_special_len = getattr(tokenizer, "_max_special_len", 0)
+    if getattr(tokenizer, "compiled", False):
+        encode, workers = tokenizer.encode_array, workers or compiled.worker_count()
+    else:
+        encode, workers = tokenizer.encode, 1
+    pieces = iter_safe_pieces(
+        _slices(parts, ENCODE_PIECE_CHARS), specials_re, max_special_len, ENCODE_PIECE_CHARS
+    )
+    n_tokens = n_chars = 0
+    bar = Throughput("encode", enabled=progress)
+    for piece, ids in ordered_map(encode, pieces, workers):
+        if not isinstance(ids, np.ndarray):
+            ids = np.frombuffer(ids, np.uint32) if hasattr(ids, "typecode") else np.array(ids)
+        out.write(ids.astype(dtype, copy=False).tobytes())
+        n_tokens += len(ids)
+        n_chars += len(piece)
+        bar.update(utf8_size(piece))
+    bar.close()
+    return n_tokens, n_chars
