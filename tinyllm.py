@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help=f"TOML file or name in configs/ (default {DEFAULT_CONFIG})")
     run.add_argument("--out", help="run directory (default runs/<config name>)")
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    run.add_argument(
+        "--init-from",
+        dest="init_from",
+        metavar="DIR",
+        help="Hugging Face GPT-2 directory (or hub id): fine-tune it (--train), sample it",
+    )
     run.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
 
     data = p.add_argument_group("data (shorthands for data.*)")
@@ -77,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # flag -> dotted config key; flags are shorthands for config values.
 SHORTHANDS = {
+    "init_from": "init_from",
     "input": "data.input",
     "dataset": "data.dataset",
     "dataset_config": "data.dataset_config",
@@ -176,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
     if args.train or args.inference:
         enable_compilation_cache()
 
+    if args.tokenize and cfg.init_from:
+        from tokenizer.errors import UsageError
+
+        raise UsageError("--init-from brings GPT-2's own tokenizer: drop --tokenize")
     if args.tokenize or args.train:
         from model.run_dir import check_run_dir
 

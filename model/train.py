@@ -24,7 +24,7 @@ from flax import nnx
 
 from configs.schema import Config, config_from_dict
 from model.checkpoint import Checkpoints
-from model.config import ModelConfig
+from model.config import IMPLEMENTATION_FIELDS, ModelConfig
 from model.data import TokenSplits, file_sha256, load_token_splits, sample_batch
 from model.gpt import GPT, count_params, flops_per_token
 from model.metrics import MetricsLog, Progress, bits_per_byte, peak_flops, plot_losses
@@ -191,6 +191,12 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     """Train the model of `cfg` on the run's tokenizer and corpus; returns the final metrics."""
     run_dir = Path(run_dir)
     tok_path = run_dir / TOKENIZER_FILE
+    if cfg.init_from and not resume:  # fine-tune GPT-2: its tokenizer becomes the run's
+        from model.hf_gpt2 import save_gpt2_tokenizer
+
+        check_run_dir(run_dir, tokenize=False, train=True, resume=resume)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_gpt2_tokenizer(cfg.init_from, tok_path)
     if not tok_path.is_file():
         raise UsageError(
             f"no tokenizer in {run_dir}: run --tokenize first (python tinyllm.py --tokenize "
@@ -200,7 +206,12 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     maybe_initialize_distributed()
     tokenizer = load_tokenizer(tok_path)
     tokenizer_sha = file_sha256(tok_path)
-    model_cfg = model_config_for(cfg, tokenizer.vocab_size)
+    if cfg.init_from:  # the architecture is the checkpoint's (model/hf_gpt2.py)
+        from model.hf_gpt2 import gpt2_model_config
+
+        model_cfg = gpt2_model_config(cfg.init_from, cfg.model)
+    else:
+        model_cfg = model_config_for(cfg, tokenizer.vocab_size)
     checkpoints = Checkpoints(run_dir)
     start_step = 0
     if resume:
@@ -222,6 +233,10 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
         trainer.params, trainer.opt_state, _ = checkpoints.restore(
             start_step, trainer.params, trainer.opt_state
         )
+    elif cfg.init_from:
+        from model.hf_gpt2 import load_gpt2_params
+
+        trainer.params = load_gpt2_params(cfg.init_from, trainer.params, model_cfg)
     resolved = _resolved(cfg, model_cfg)
     _write_json(run_dir / CONFIG_FILE, resolved)
     device = jax.devices()[0]
@@ -372,7 +387,7 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, tokenizer_sha: str) -> 
         )
     for field in dataclasses.fields(ModelConfig):
         ours, theirs = getattr(model_cfg, field.name), getattr(saved, field.name)
-        if ours != theirs and field.name not in ("dropout", "dtype"):
+        if ours != theirs and field.name not in IMPLEMENTATION_FIELDS:
             raise UsageError(
                 f"model.{field.name} is {theirs!r} in the checkpoint but {ours!r} now; "
                 "drop the override or train a new run"
