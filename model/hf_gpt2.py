@@ -205,7 +205,6 @@ def hf_config_of(cfg: ModelConfig, eot_id: int | None) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": eot_id,
         "eos_token_id": eot_id,
-        "torch_dtype": "float32",
         "use_cache": True,
     }
 
@@ -379,17 +378,24 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
     tokenizer_config.json. UsageError for what GPT-2's format cannot hold."""
     from safetensors.numpy import save_file
 
+    from configs.schema import config_from_dict
     from model.inference_stage import load_trained
-    from tokenizer import BPETokenizer
+    from tokenizer import BPETokenizer, load_tokenizer
     from tokenizer.pretokenize import PATTERNS
+    from tokenizer.stage import TOKENIZER_FILE
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    if not run_dir.is_dir():
-        raise UsageError(f"run directory {run_dir} not found: point --run at a trained run")
+    if not (has_checkpoint(run_dir) or has_quantized_checkpoint(run_dir)):
+        raise UsageError(f"no trained model in {run_dir}: point --run at a trained run directory")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UsageError(f"{out_dir} already exists: pick another --out or delete it")
-    tokenizer, model, saved = load_trained(run_dir)
-    cfg = model.cfg
+    # What GPT-2 cannot express is refused from the run's config and tokenizer, before any
+    # weights are read.
+    try:
+        saved = config_from_dict(json.loads((run_dir / CONFIG_FILE).read_text(encoding="utf-8")))
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{run_dir / CONFIG_FILE}: unreadable ({err})") from None
+    tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
     if not isinstance(tokenizer, BPETokenizer):
         raise UsageError(
             f"GPT-2's format cannot express tokenizer.kind={saved.tokenizer.kind!r} (GPT-2 has "
@@ -400,7 +406,9 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
             "GPT-2's format cannot express tokenizer.pattern other than gpt2 (its tokenizer "
             "splits text with GPT-2's regex): this run cannot be exported"
         )
-    check_exportable(cfg)
+    check_exportable(saved.model)
+    tokenizer, model, _ = load_trained(run_dir)
+    cfg = model.cfg
     params = nnx.state(model, nnx.Param)
     eot = tokenizer.special_tokens.get(EOT)
 
