@@ -247,37 +247,49 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise UsageError(f"{path}: not a readable safetensors file ({err})") from None
 
 
-def params_from_hf(tensors: dict[str, np.ndarray], params_like: Any, where: Path) -> Any:
-    """Params shaped like `params_like` (an nnx.State of ShapeDtypeStructs or arrays) filled
-    from GPT-2 tensors; UsageError on a missing tensor, a wrong shape or a foreign tensor."""
-    tensors = {
+def _canonical(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Keys as GPT2LMHeadModel saves them (GPT2Model files lack `transformer.`), buffers out."""
+    return {
         (k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}"): v
         for k, v in tensors.items()
         if not k.endswith(_BUFFER_SUFFIXES)
     }
-    used = set()
 
-    def fill(path_key, like):
+
+def check_tensor_shapes(shapes: dict[str, tuple[int, ...]], params_like: Any, where: Path) -> None:
+    """UsageError on a missing tensor, a wrong shape or a foreign tensor: `shapes` (safetensors
+    key -> shape) against the params of the model config.json describes."""
+    shapes = _canonical(shapes)
+    used = set()
+    for path_key, like in jax.tree_util.tree_leaves_with_path(params_like):
         key, transposed = hf_key(path_names(path_key))
-        if key not in tensors:
+        if key not in shapes:
             raise UsageError(
                 f"{where}: tensor {key} is missing: not a GPT-2 checkpoint of this config"
             )
-        value = tensors[key].T if transposed else tensors[key]
-        if value.shape != tuple(like.shape):
+        want = tuple(like.shape)[::-1] if transposed else tuple(like.shape)
+        if tuple(shapes[key]) != want:
             raise UsageError(
-                f"{where}: tensor {key} has shape {tensors[key].shape}, config.json implies "
-                f"{tuple(like.shape)[::-1] if transposed else tuple(like.shape)}"
+                f"{where}: tensor {key} has shape {tuple(shapes[key])}, config.json implies {want}"
             )
         used.add(key)
-        sharding = getattr(like, "sharding", None)
-        return jax.device_put(jnp.asarray(value, like.dtype), sharding)
-
-    params = jax.tree_util.tree_map_with_path(fill, params_like)
-    extra = sorted(set(tensors) - used - {"lm_head.weight"})
+    extra = sorted(set(shapes) - used - {"lm_head.weight"})
     if extra:
         raise UsageError(f"{where}: unexpected tensor {extra[0]}: not a GPT-2 checkpoint")
-    return params
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], params_like: Any, where: Path) -> Any:
+    """Params shaped (and placed) like `params_like` (an nnx.State of ShapeDtypeStructs or
+    arrays), filled from GPT-2 tensors; checked first with `check_tensor_shapes`."""
+    check_tensor_shapes({k: v.shape for k, v in tensors.items()}, params_like, where)
+    tensors = _canonical(tensors)
+
+    def fill(path_key, like):
+        key, transposed = hf_key(path_names(path_key))
+        value = tensors[key].T if transposed else tensors[key]
+        return jax.device_put(jnp.asarray(value, like.dtype), getattr(like, "sharding", None))
+
+    return jax.tree_util.tree_map_with_path(fill, params_like)
 
 
 def params_to_hf(params: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -341,19 +353,41 @@ def load_gpt2(name: str, base: ModelConfig | None = None):
     _require_files(directory, (CONFIG_JSON, WEIGHTS, VOCAB_JSON, MERGES_TXT))
     model_cfg = model_config_from_hf(read_hf_config(directory), base)
     tokenizer = load_gpt2_tokenizer(str(directory))
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise UsageError(
-            f"{directory}: the tokenizer has {tokenizer.vocab_size} tokens, the model only "
-            f"{model_cfg.vocab_size}"
-        )
+    _check_vocab(tokenizer, model_cfg, directory)
     graphdef, abstract, rest = _abstract_split(model_cfg)
     params = load_gpt2_params(str(directory), abstract, model_cfg)
     return tokenizer, nnx.merge(graphdef, params, rest)
 
 
-def save_gpt2_tokenizer(name: str, path: Path) -> None:
-    """Save GPT-2's tokenizer as the run directory's tokenizer (our pickle format)."""
-    load_gpt2_tokenizer(name).save(path)
+def _check_vocab(tokenizer, model_cfg: ModelConfig, directory: Path) -> None:
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise UsageError(
+            f"{directory}: the tokenizer has {tokenizer.vocab_size} tokens, the model only "
+            f"{model_cfg.vocab_size} (config.json vocab_size)"
+        )
+
+
+def save_gpt2_tokenizer(name: str, path: Path, base: ModelConfig | None = None) -> None:
+    """Check everything --init-from needs, then save GPT-2's tokenizer as the run directory's
+    tokenizer (our pickle format). Nothing is written for a directory that is not GPT-2: the
+    files, config.json, the tokenizer and the tensors' names and shapes (from the safetensors
+    header, no weights read) are checked first."""
+    from safetensors import SafetensorError, safe_open
+
+    directory = resolve_hf_dir(name)
+    _require_files(directory, (CONFIG_JSON, WEIGHTS, VOCAB_JSON, MERGES_TXT))
+    model_cfg = model_config_from_hf(read_hf_config(directory), base)
+    tokenizer = load_gpt2_tokenizer(str(directory))
+    _check_vocab(tokenizer, model_cfg, directory)
+    try:
+        with safe_open(str(directory / WEIGHTS), framework="np") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as err:
+        raise UsageError(
+            f"{directory / WEIGHTS}: not a readable safetensors file ({err})"
+        ) from None
+    check_tensor_shapes(shapes, _abstract_split(model_cfg)[1], directory / WEIGHTS)
+    tokenizer.save(path)
 
 
 def started_from(run_dir: Path, init_from: str) -> bool:

@@ -196,7 +196,7 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
 
         check_run_dir(run_dir, tokenize=False, train=True, resume=resume)
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_gpt2_tokenizer(cfg.init_from, tok_path)
+        save_gpt2_tokenizer(cfg.init_from, tok_path, cfg.model)
     if not tok_path.is_file():
         raise UsageError(
             f"no tokenizer in {run_dir}: run --tokenize first (python tinyllm.py --tokenize "

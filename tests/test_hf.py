@@ -291,6 +291,23 @@ def test_a_directory_that_is_not_gpt2_is_one_line_and_exit_2(
         capsys, "--inference", "--init-from", bad, "--out", tmp_path / "run", "--prompt", "to"
     )
     assert_one_line_error(code, err, "tinyllm", fragment)
+    # fine-tuning checks it all before writing anything into the run directory
+    code, _, err = run_cli(capsys, "--train", "--init-from", bad, "--out", tmp_path / "run")
+    assert_one_line_error(code, err, "tinyllm", fragment)
+    assert not (tmp_path / "run" / "tokenizer.pkl").exists()
+
+
+def test_bfloat16_safetensors_are_read_as_float32(hf, tmp_path):
+    torch, _ = hf
+    from safetensors.torch import save_file
+
+    from model.hf_gpt2 import read_safetensors
+
+    weights = torch.randn(3, 5).to(torch.bfloat16)
+    save_file({"w": weights, "b": torch.ones(2)}, str(tmp_path / "m.safetensors"))
+    tensors = read_safetensors(tmp_path / "m.safetensors")
+    assert tensors["w"].dtype == np.float32
+    np.testing.assert_array_equal(tensors["w"], weights.float().numpy())
 
 
 def test_finetune_from_gpt2_then_resume_and_sample_the_run(
