@@ -496,3 +496,85 @@ def test_hf_bias_only_on_a_bias_free_run_is_zero(hf, trained_run, tmp_path):
         assert "lm_head.weight" in tensors  # untied
     else:
         assert not bias.any() and "lm_head.weight" not in tensors
+
+
+# -- GPT-2 as released (no weights needed: its config, tensor names and tokenizer files) -----
+
+# openai-community/gpt2's config.json, as on the hub
+GPT2_SMALL_CONFIG = {
+    "activation_function": "gelu_new",
+    "architectures": ["GPT2LMHeadModel"],
+    "attn_pdrop": 0.1,
+    "bos_token_id": 50256,
+    "embd_pdrop": 0.1,
+    "eos_token_id": 50256,
+    "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05,
+    "model_type": "gpt2",
+    "n_ctx": 1024,
+    "n_embd": 768,
+    "n_head": 12,
+    "n_layer": 12,
+    "n_positions": 1024,
+    "resid_pdrop": 0.1,
+    "summary_activation": None,
+    "summary_first_dropout": 0.1,
+    "summary_proj_to_labels": True,
+    "summary_type": "cls_index",
+    "summary_use_proj": True,
+    "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
+    "vocab_size": 50257,
+}
+
+
+def test_gpt2_small_maps_to_124m_parameters_and_the_hub_tensor_names():
+    from model.hf_gpt2 import _abstract_split, check_tensor_shapes, model_config_from_hf
+
+    cfg = model_config_from_hf(GPT2_SMALL_CONFIG)
+    assert (cfg.gelu, cfg.bias, cfg.tie_embeddings, cfg.block_size) == ("tanh", True, True, 1024)
+    _, abstract, _ = _abstract_split(cfg)
+    assert sum(x.size for x in jax.tree.leaves(abstract)) == 124_439_808  # GPT-2 small
+    # the hub's model.safetensors: GPT2Model names (no "transformer."), causal-mask buffers
+    shapes = {"wte.weight": (50257, 768), "wpe.weight": (1024, 768)}
+    shapes.update({"ln_f.weight": (768,), "ln_f.bias": (768,)})
+    for i in range(12):
+        layer = {
+            "ln_1.weight": (768,),
+            "ln_1.bias": (768,),
+            "attn.bias": (1, 1, 1024, 1024),
+            "attn.c_attn.weight": (768, 2304),
+            "attn.c_attn.bias": (2304,),
+            "attn.c_proj.weight": (768, 768),
+            "attn.c_proj.bias": (768,),
+            "ln_2.weight": (768,),
+            "ln_2.bias": (768,),
+            "mlp.c_fc.weight": (768, 3072),
+            "mlp.c_fc.bias": (3072,),
+            "mlp.c_proj.weight": (3072, 768),
+            "mlp.c_proj.bias": (768,),
+        }
+        shapes.update({f"h.{i}.{k}": v for k, v in layer.items()})
+    check_tensor_shapes(shapes, abstract, Path("model.safetensors"))
+    del shapes["h.11.mlp.c_proj.bias"]
+    with pytest.raises(UsageError, match=r"transformer\.h\.11\.mlp\.c_proj\.bias is missing"):
+        check_tensor_shapes(shapes, abstract, Path("model.safetensors"))
+
+
+def test_gpt2_tokenizer_from_a_gpt2_directory(tmp_path):
+    from model.hf_gpt2 import load_gpt2_tokenizer
+    from tests.tokenizer_helpers import gpt2_paths
+
+    vocab_json, merges_txt = gpt2_paths()
+    shutil.copyfile(vocab_json, tmp_path / "vocab.json")
+    shutil.copyfile(merges_txt, tmp_path / "merges.txt")
+    tokenizer = load_gpt2_tokenizer(str(tmp_path))
+    assert tokenizer.encode("Hello, world!<|endoftext|>") == [15496, 11, 995, 0, 50256]
+    assert tokenizer.vocab_size == GPT2_SMALL_CONFIG["vocab_size"]
+
+
+def test_tokenize_with_init_from_is_refused(gpt2_dir, tmp_path, capsys):
+    code, _, err = run_cli(
+        capsys, "--tokenize", "--init-from", gpt2_dir[0], "--out", tmp_path / "run"
+    )
+    assert_one_line_error(code, err, "tinyllm", "drop --tokenize")
+    assert not (tmp_path / "run").exists()
