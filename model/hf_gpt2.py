@@ -73,7 +73,11 @@ def resolve_hf_dir(name: str) -> Path:
         and all(part for part in name.split("/"))
     )
     if not looks_like_hub_id:
-        raise UsageError(f"--init-from {name}: no such directory (a Hugging Face GPT-2 checkpoint)")
+        raise UsageError(
+            f"--init-from {name}: no such directory; give a Hugging Face GPT-2 checkpoint "
+            "directory (config.json, model.safetensors, vocab.json, merges.txt; "
+            "configs/finetune_gpt2.toml shows how to fetch GPT-2's)"
+        )
     try:
         from huggingface_hub import snapshot_download
 
