@@ -578,3 +578,15 @@ def test_tokenize_with_init_from_is_refused(gpt2_dir, tmp_path, capsys):
     )
     assert_one_line_error(code, err, "tinyllm", "drop --tokenize")
     assert not (tmp_path / "run").exists()
+
+
+def test_inference_samples_the_fine_tuned_run_once_there_is_one(tmp_path):
+    from model.hf_gpt2 import started_from
+
+    run = tmp_path / "run"
+    assert not started_from(run, "~/models/gpt2")  # nothing trained: sample GPT-2 itself
+    (run / "checkpoints" / "20").mkdir(parents=True)
+    config = load_config(None, ["init_from=~/models/gpt2"]).to_dict()
+    (run / "config.json").write_text(json.dumps(config))
+    assert started_from(run, "~/models/gpt2")  # fine-tuned from it: sample the run
+    assert not started_from(run, "~/models/gpt2-xl")  # another model: sample that one
