@@ -414,8 +414,6 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
     """Write a trained run (float or quantized, dequantized) as a GPT-2 checkpoint directory
     that `transformers` loads: config.json, model.safetensors, vocab.json, merges.txt,
     tokenizer_config.json. UsageError for what GPT-2's format cannot hold."""
-    from safetensors.numpy import save_file
-
     from configs.schema import config_from_dict
     from model.inference_stage import load_trained
     from tokenizer import BPETokenizer, load_tokenizer
@@ -445,6 +443,8 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
             "splits text with GPT-2's regex): this run cannot be exported"
         )
     check_exportable(saved.model)
+    from safetensors.numpy import save_file
+
     tokenizer, model, _ = load_trained(run_dir)
     cfg = model.cfg
     params = nnx.state(model, nnx.Param)
