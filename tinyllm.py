@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help=f"TOML file or name in configs/ (default {DEFAULT_CONFIG})")
     run.add_argument("--out", help="run directory (default runs/<config name>)")
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    run.add_argument(
+        "--init-from",
+        dest="init_from",
+        metavar="DIR",
+        help="Hugging Face GPT-2 directory (or hub id): fine-tune it (--train), sample it",
+    )
     run.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
 
     data = p.add_argument_group("data (shorthands for data.*)")
@@ -82,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # flag -> dotted config key; flags are shorthands for config values.
 SHORTHANDS = {
+    "init_from": "init_from",
     "input": "data.input",
     "dataset": "data.dataset",
     "dataset_config": "data.dataset_config",
@@ -289,6 +296,10 @@ def run(args: argparse.Namespace) -> int:
     if args.train or args.inference:
         enable_compilation_cache()
 
+    if args.tokenize and cfg.init_from:
+        from tokenizer.errors import UsageError
+
+        raise UsageError("--init-from brings GPT-2's own tokenizer: drop --tokenize")
     writes = args.tokenize or args.train
     with run_dir_lock(run_dir) if writes else contextlib.nullcontext():
         run_stages(args, cfg, run_dir)

@@ -85,6 +85,9 @@ class SampleConfig:
 @dataclass
 class Config:
     name: str = "default"  # names the run directory runs/<name>
+    # A Hugging Face GPT-2 directory (config.json, model.safetensors, vocab.json, merges.txt)
+    # or hub id: --train fine-tunes it, --inference samples it (model/hf_gpt2.py).
+    init_from: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -95,7 +98,7 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {f.name for f in dataclasses.fields(Config) if f.name != "name"}
+SECTIONS = {f.name for f in dataclasses.fields(Config) if f.name not in ("name", "init_from")}
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str | tuple[str, Any]] = ()) -> Config:

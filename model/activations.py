@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 
@@ -19,3 +20,18 @@ def gelu_exact(x: jax.Array) -> jax.Array:
     0.8413
     """
     return 0.5 * x * (1.0 + jax.lax.erf(x * math.sqrt(0.5)))
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU's tanh approximation, GPT-2's `gelu_new` (Hugging Face's name for it).
+
+    >>> import jax.numpy as jnp
+    >>> round(float(gelu_tanh(jnp.float32(1.0))), 4)
+    0.8412
+    """
+    return jax.nn.gelu(x, approximate=True)
+
+
+def gelu_fn(form: str) -> Callable[[jax.Array], jax.Array]:
+    """The GELU of `model.gelu`: "exact" (erf) or "tanh" (GPT-2)."""
+    return {"exact": gelu_exact, "tanh": gelu_tanh}[form]

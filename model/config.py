@@ -19,6 +19,11 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
 DTYPES = ("float32", "bfloat16")  # names only: configs load without importing JAX
+GELUS = ("exact", "tanh")
+ATTENTIONS = ("auto", "xla", "cudnn", "reference")
+# Fields that choose how the same function is computed, not which function: a checkpoint
+# trained with one value runs with any other (model/train.py `check_compatible` skips them).
+IMPLEMENTATION_FIELDS = ("dropout", "dtype", "attention")
 
 # Plain upper bounds, far above any model this project trains, that keep a typo such as
 # n_layer=1e30 from hanging construction (the memory check in model/memory.py is the fine one).
@@ -43,6 +48,10 @@ class ModelConfig:
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 had them)
     norm: str = "layernorm"  # "layernorm" | "rmsnorm" (pre-norm, before each sub-block)
     mlp: str = "gelu"  # "gelu" (4x hidden, exact erf GELU as nanoGPT) | "swiglu" (Llama)
+    gelu: str = "exact"  # GELU form: "exact" (erf, nanoGPT's nn.GELU) | "tanh" (GPT-2's gelu_new)
+    norm_eps: float = 1e-5  # epsilon of LayerNorm / RMSNorm (GPT-2: layer_norm_epsilon 1e-5)
+    # Output layer = the token embedding (GPT-2, nanoGPT); false adds a separate [D, V] layer.
+    tie_embeddings: bool = True
     position: str = "learned"  # "learned" absolute embeddings | "rope" rotary on q and k
     rope_theta: float = 10000.0  # RoPE base: wavelengths grow geometrically up to 2*pi*theta
     moe_experts: int = 0  # experts per MoE layer; 0 = dense MLP everywhere
@@ -53,6 +62,10 @@ class ModelConfig:
     moe_z_weight: float = 0.001  # weight of the router z-loss, mean logsumexp(router logits)^2
     moe_capacity_factor: float = 1.25  # training slots per expert / (tokens*k/E); 0 = dropless
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"; params always float32
+    # Attention kernel: "auto" (cuDNN flash attention on NVIDIA GPUs in bf16, else XLA's
+    # jax.nn.dot_product_attention) | "xla" | "cudnn" | "reference" (our einsum form).
+    # Same values whichever runs (model/attention.py); not part of a checkpoint's identity.
+    attention: str = "auto"
 
     @property
     def head_dim(self) -> int:
@@ -104,6 +117,26 @@ class ModelConfig:
         _check_choice("mlp", self.mlp, MLPS)
         _check_choice("position", self.position, POSITIONS)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("gelu", self.gelu, GELUS)
+        _check_choice("attention", self.attention, ATTENTIONS)
+        if self.attention == "cudnn" and self.dtype != "bfloat16":
+            raise UsageError(
+                "model.attention='cudnn' needs model.dtype='bfloat16' (cuDNN flash attention "
+                "runs in fp16/bf16 only); use model.attention=auto"
+            )
+        if self.attention == "cudnn" and not (self.head_dim % 8 == 0 and self.head_dim <= 128):
+            raise UsageError(
+                f"model.attention='cudnn' needs a head dim that is a multiple of 8 and at most "
+                f"128, got n_embd/n_head = {self.head_dim}; use model.attention=auto"
+            )
+        if isinstance(self.norm_eps, bool) or not (
+            isinstance(self.norm_eps, (int, float)) and 0.0 < self.norm_eps < 1.0
+        ):
+            raise UsageError(f"model.norm_eps must be a number in (0, 1), got {self.norm_eps!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise UsageError(
+                f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}"
+            )
         if self.position == "rope" and self.head_dim % 2 != 0:
             raise UsageError(
                 f"model.position='rope' needs an even head dim, got n_embd/n_head = {self.head_dim}"

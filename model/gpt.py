@@ -80,6 +80,12 @@ class GPT(nnx.Module):
         self.drop = nnx.Dropout(cfg.dropout)
         self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layer)])
         self.ln_f = make_norm(cfg, rngs=rngs)
+        # Untied: a separate output layer [D, V] (no bias, as GPT-2's lm_head).
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else nnx.Linear(cfg.n_embd, cfg.vocab_size, use_bias=False, kernel_init=init, rngs=rngs)
+        )
 
     # -- public API -------------------------------------------------------------------------
 
@@ -107,11 +113,17 @@ class GPT(nnx.Module):
         return self._hidden_with_aux(tokens_BxT, True, None)[0]
 
     def unembed(self, x_BxTxD: jax.Array) -> jax.Array:
-        """Tied output layer: logits [B, T, V] float32 from final hidden states.
+        """Output layer (the tied embedding, or lm_head): logits [B, T, V] float32 from final
+        hidden states.
 
         Not `wte.attend`: that would promote both operands to one dtype, while we want
         compute-dtype operands (bf16 matmul speed) with float32 accumulation and logits.
         """
+        if self.lm_head is not None:
+            kernel_DxV = self.lm_head.kernel[...].astype(x_BxTxD.dtype)
+            return jnp.einsum(
+                "btd,dv->btv", x_BxTxD, kernel_DxV, preferred_element_type=jnp.float32
+            )
         embedding_VxD = self.wte.embedding[...].astype(x_BxTxD.dtype)
         return jnp.einsum("btd,vd->btv", x_BxTxD, embedding_VxD, preferred_element_type=jnp.float32)
 
@@ -197,7 +209,7 @@ class GPT(nnx.Module):
 
 
 def count_params(model: nnx.Module) -> int:
-    """Number of trainable parameters (tied embedding counted once)."""
+    """Number of trainable parameters (a tied embedding counted once)."""
     params = nnx.state(model, nnx.Param)
     return sum(int(x.size) for x in jax.tree.leaves(params))
 
@@ -206,8 +218,9 @@ def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token (forward + backward) at full context, for MFU.
 
     nanoGPT's estimate_mfu (PaLM appendix B): 6 * N + 12 * L * H * Dh * T, where N counts
-    parameters except the position embedding (it does no matmul; the tied token embedding
-    does, as the output layer), 6N is the matmul work of forward (2N) and backward (4N), and
+    parameters except the position embedding (it does no matmul; the token embedding does
+    when tied, as the output layer; untied, its lookup is no matmul either and the separate
+    output layer counts instead), 6N is the matmul work of forward (2N) and backward (4N), and
     the second term is attention's q·k and probs·v over a context of T = block_size.
 
     Example:
@@ -219,4 +232,6 @@ def flops_per_token(cfg: ModelConfig) -> float:
     n = count_params(abstract)
     if cfg.position == "learned":
         n -= cfg.block_size * cfg.n_embd
+    if not cfg.tie_embeddings:
+        n -= cfg.vocab_size * cfg.n_embd
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size

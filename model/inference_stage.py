@@ -19,6 +19,7 @@ from configs.schema import Config, config_from_dict
 from model.checkpoint import has_checkpoint
 from model.data import file_sha256
 from model.generate import generate
+from model.hf_gpt2 import started_from
 from model.quant_checkpoint import (
     QUANT_FILE,
     has_quantized_checkpoint,
@@ -83,8 +84,13 @@ def run_inference(cfg: Config, run_dir: Path, out=None) -> dict:
     s = cfg.sample
     if s.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be positive, got {s.max_new_tokens}")
-    tokenizer, model, saved = load_trained(run_dir)
-    prompt_ids = encode_prompt(tokenizer, s.prompt, saved.model.block_size)
+    if cfg.init_from and not started_from(run_dir, cfg.init_from):
+        from model.hf_gpt2 import load_gpt2
+
+        tokenizer, model = load_gpt2(cfg.init_from, cfg.model)  # GPT-2 itself, not a run
+    else:
+        tokenizer, model, _ = load_trained(run_dir)
+    prompt_ids = encode_prompt(tokenizer, s.prompt, model.cfg.block_size)
     stream = generate(
         model,
         prompt_ids,

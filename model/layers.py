@@ -21,20 +21,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.activations import gelu_exact
+from model.activations import gelu_fn
 from model.config import ModelConfig
 from model.moe import MoEMLP, is_moe_layer
 
 
 def make_norm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
-    """LayerNorm (bias per cfg.bias) or RMSNorm over the model width; eps 1e-5 as GPT-2."""
+    """LayerNorm (bias per cfg.bias) or RMSNorm over the model width, epsilon cfg.norm_eps."""
     if cfg.norm == "rmsnorm":
         return nnx.RMSNorm(
-            cfg.n_embd, epsilon=1e-5, dtype=cfg.compute_dtype, param_dtype=jnp.float32, rngs=rngs
+            cfg.n_embd,
+            epsilon=cfg.norm_eps,
+            dtype=cfg.compute_dtype,
+            param_dtype=jnp.float32,
+            rngs=rngs,
         )
     return nnx.LayerNorm(
         cfg.n_embd,
-        epsilon=1e-5,
+        epsilon=cfg.norm_eps,
         use_bias=cfg.bias,
         dtype=cfg.compute_dtype,
         param_dtype=jnp.float32,
@@ -68,9 +72,11 @@ def resid_std(cfg: ModelConfig) -> float:
 
 
 class GeluMLP(nnx.Module):
-    """GPT-2 MLP: Linear(D, 4D) -> GELU -> Linear(4D, D); exact (erf) GELU as nanoGPT (nn.GELU)."""
+    """GPT-2 MLP: Linear(D, 4D) -> GELU -> Linear(4D, D); GELU per cfg.gelu (default exact
+    erf as nanoGPT's nn.GELU; GPT-2's own weights were trained with the tanh form)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.gelu = gelu_fn(cfg.gelu)
         self.c_fc = linear(cfg, cfg.n_embd, 4 * cfg.n_embd, 0.02, rngs)
         self.c_proj = linear(cfg, 4 * cfg.n_embd, cfg.n_embd, resid_std(cfg), rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
@@ -78,7 +84,7 @@ class GeluMLP(nnx.Module):
     def __call__(
         self, x_BxTxD: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        h_BxTxF = gelu_exact(self.c_fc(x_BxTxD))
+        h_BxTxF = self.gelu(self.c_fc(x_BxTxD))
         y_BxTxD = self.dropout(self.c_proj(h_BxTxF), deterministic=deterministic, rngs=rngs)
         return y_BxTxD, {}
 

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.activations import gelu_exact
+from model.activations import gelu_fn
 from model.config import ModelConfig
 
 # Parameters whose leading axis indexes experts: model.parallel shards them over devices.
@@ -164,6 +164,7 @@ class MoEMLP(nnx.Module):
         e, d, f = cfg.moe_experts, cfg.n_embd, hidden
         self.n_experts, self.top_k, self.swiglu = e, cfg.moe_top_k, cfg.mlp == "swiglu"
         self.capacity_factor = cfg.moe_capacity_factor
+        self.gelu = gelu_fn(cfg.gelu)
         self.dtype = cfg.compute_dtype
         # Each layer adds 1/n_layers of the weighted losses: gpt.py sums aux over blocks, so
         # the logged values are layer means and the weights do not scale with depth.
@@ -229,6 +230,6 @@ class MoEMLP(nnx.Module):
             gate_ExCxF = project("expert_gate", x_ExCxD, "ecd,edf->ecf")
             h_ExCxF = jax.nn.silu(gate_ExCxF) * project("expert_up", x_ExCxD, "ecd,edf->ecf")
         else:
-            h_ExCxF = gelu_exact(project("expert_fc", x_ExCxD, "ecd,edf->ecf"))
+            h_ExCxF = self.gelu(project("expert_fc", x_ExCxD, "ecd,edf->ecf"))
         y_ExCxD = project("expert_proj", h_ExCxF, "ecf,efd->ecd")
         return y_ExCxD

@@ -24,7 +24,7 @@ from flax import nnx
 
 from configs.schema import Config, DataConfig, config_from_dict
 from model.checkpoint import CheckpointDamaged, Checkpoints
-from model.config import ModelConfig
+from model.config import IMPLEMENTATION_FIELDS, ModelConfig
 from model.data import (
     TokenSplits,
     file_sha256,
@@ -32,7 +32,7 @@ from model.data import (
     remove_cache_leftovers,
     sample_batch,
 )
-from model.distributed import is_primary, stop_agreed
+from model.distributed import is_primary, stop_agreed, wait_for_primary
 from model.gpt import GPT, count_params, flops_per_token
 from model.interrupts import Stopped, StopRequests
 from model.memory import check_training_memory
@@ -203,6 +203,15 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     """
     run_dir = Path(run_dir)
     tok_path = run_dir / TOKENIZER_FILE
+    if cfg.init_from and not resume:  # fine-tune GPT-2: its tokenizer becomes the run's
+        from model.hf_gpt2 import save_gpt2_tokenizer
+
+        check_run_dir(run_dir, tokenize=False, train=True, resume=resume)
+        if is_primary():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_gpt2_tokenizer(cfg.init_from, tok_path, cfg.model)
+        else:  # several processes: process 0 writes it
+            wait_for_primary(lambda: tok_path if tok_path.is_file() else None, str(tok_path))
     if not tok_path.is_file():
         raise UsageError(
             f"no tokenizer in {run_dir}: run --tokenize first (python tinyllm.py --tokenize "
@@ -212,7 +221,12 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     maybe_initialize_distributed()
     tokenizer = load_tokenizer(tok_path)
     tokenizer_sha = file_sha256(tok_path)
-    model_cfg = model_config_for(cfg, tokenizer.vocab_size)
+    if cfg.init_from:  # the architecture is the checkpoint's (model/hf_gpt2.py)
+        from model.hf_gpt2 import gpt2_model_config
+
+        model_cfg = gpt2_model_config(cfg.init_from, cfg.model)
+    else:
+        model_cfg = model_config_for(cfg, tokenizer.vocab_size)
     t = cfg.train  # a model too big for this machine: one line now, not an OOM traceback later
     check_training_memory(model_cfg, t.batch_size // t.grad_accum, t.fsdp)
     checkpoints = Checkpoints(run_dir)
@@ -238,6 +252,10 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
                 lambda step: checkpoints.restore(step, trainer.params, trainer.opt_state)
             )
             _check_steps_left(start_step, cfg.train.max_steps)
+        elif cfg.init_from:
+            from model.hf_gpt2 import load_gpt2_params
+
+            trainer.params = load_gpt2_params(cfg.init_from, trainer.params, model_cfg)
         resolved = _resolved(cfg, model_cfg)
         device = jax.devices()[0]
         print(
@@ -441,7 +459,7 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, tokenizer_sha: str) -> 
         )
     for field in dataclasses.fields(ModelConfig):
         ours, theirs = getattr(model_cfg, field.name), getattr(saved, field.name)
-        if ours != theirs and field.name not in ("dropout", "dtype"):
+        if ours != theirs and field.name not in IMPLEMENTATION_FIELDS:
             raise UsageError(
                 f"model.{field.name} is {theirs!r} in the checkpoint but {ours!r} now; "
                 "drop the override or train a new run"

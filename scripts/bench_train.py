@@ -4,6 +4,7 @@
     python scripts/bench_train.py --torch-python /path/to/venv-with-torch/bin/python
     python scripts/bench_train.py --full    # + the 2000-step run on Tiny Shakespeare
     python scripts/bench_train.py --nanogpt-dir ~/nanoGPT --torch-python ...   # + nanoGPT itself
+    python scripts/bench_train.py --no-peer model.attention=reference   # overrides, as --train
 
 Timing: the compiled train step fed by the real batch sampler, metrics read back every 10
 steps as the training loop does, on the CPU devices --train uses (one per core, see
@@ -123,7 +124,7 @@ def time_peer(python: str, steps: int, repeats: int) -> dict | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def full_run(out: Path) -> tuple[list[dict], float]:
+def full_run(out: Path, overrides: list[str]) -> tuple[list[dict], float]:
     if not SHAKESPEARE.exists():
         sys.exit(f"--full needs {SHAKESPEARE}")
     shutil.rmtree(out, ignore_errors=True)
@@ -139,6 +140,7 @@ def full_run(out: Path) -> tuple[list[dict], float]:
         str(SHAKESPEARE),
         "--out",
         str(out),
+        *overrides,
     ]
     subprocess.run(cmd, check=True, cwd=ROOT)
     wall = time.perf_counter() - t0
@@ -152,27 +154,35 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--torch-python", default=sys.executable, help="interpreter with torch")
+    p.add_argument("--no-peer", action="store_true", help="time tinyllm only (no PyTorch peer)")
     p.add_argument("--full", action="store_true", help="also train 2000 steps end to end")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "tinyllm-bench-train"))
     p.add_argument("--nanogpt-dir", type=Path, help="a karpathy/nanoGPT checkout, data prepared")
     p.add_argument("--nanogpt-iters", type=int, default=300, help="nanoGPT iterations to time")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides for tinyllm, e.g. model.attention=reference",
+    )
     a = p.parse_args()
 
     # As --train does, before JAX starts: one CPU device per core that divides the batch.
     from configs.schema import load_config
     from model.cpu_devices import configure_cpu_devices
 
-    cfg = load_config(CONFIG)
+    cfg = load_config(CONFIG, a.overrides)
     t = cfg.train
     configure_cpu_devices(t.cpu_devices, t.batch_size // t.grad_accum)
     ours = time_tinyllm(cfg, a.steps, a.repeats)
-    peer = time_peer(a.torch_python, a.steps, a.repeats)
+    peer = None if a.no_peer else time_peer(a.torch_python, a.steps, a.repeats)
     nano = run_nanogpt(a.torch_python, a.nanogpt_dir, a.nanogpt_iters) if a.nanogpt_dir else None
     print("\n| implementation | ms/step (median) | tokens/s | vs peer |")
     print("|---|---:|---:|---:|")
     vs_peer = f"{peer['ms_per_step'] / ours['ms_per_step']:.2f}x" if peer else "-"
     print(
-        f"| tinyllm (JAX, {ours['device']}) | {ours['ms_per_step']:.1f} | "
+        f"| tinyllm (JAX, {ours['device']}{', ' if a.overrides else ''}{' '.join(a.overrides)})"
+        f" | {ours['ms_per_step']:.1f} | "
         f"{ours['tokens_per_sec']:,.0f} | {vs_peer} |"
     )
     if peer:
@@ -189,7 +199,7 @@ def main() -> None:
         print(f"\ntinyllm vs nanoGPT's train.py: {nano['ms_per_step'] / ours['ms_per_step']:.2f}x")
     print(f"\ncompile time of the train step: {ours['compile_s']} s")
     if a.full:
-        evals, wall = full_run(Path(a.out))
+        evals, wall = full_run(Path(a.out), a.overrides)
         print(f"\ntinyllm, 2000 steps end to end: {wall:.1f} s wall")
         if a.nanogpt_dir:
             full = run_nanogpt(a.torch_python, a.nanogpt_dir, 2000)

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Export a trained run as a Hugging Face GPT-2 checkpoint directory that `transformers` loads.
+
+    python scripts/export_hf.py --run runs/shakespeare --out hf/shakespeare
+    python -c "from transformers import AutoModelForCausalLM, AutoTokenizer; \\
+        m = AutoModelForCausalLM.from_pretrained('hf/shakespeare'); \\
+        t = AutoTokenizer.from_pretrained('hf/shakespeare')"
+
+Writes config.json (GPT2Config), model.safetensors (float32), vocab.json + merges.txt and
+tokenizer_config.json. A quantized run exports its dequantized weights; a model trained
+without biases exports zero biases (the same function). Runs that GPT-2's format cannot
+express (RoPE, RMSNorm, SwiGLU, MoE, a character-level or GPT-4-pattern tokenizer) are
+refused with one line naming the option, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"export_hf: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog="export_hf.py", description=__doc__.splitlines()[0])
+    p.add_argument("--run", required=True, help="trained run directory (float or quantized)")
+    p.add_argument("--out", required=True, help="new directory for the GPT-2 checkpoint")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from tokenizer.errors import UsageError
+
+    try:
+        from model.hf_gpt2 import export_run
+
+        out = export_run(Path(args.run), Path(args.out))
+    except UsageError as err:
+        if args.debug:
+            raise
+        sys.stderr.write(f"export_hf: error: {err}\n")
+        return 2
+    print(
+        f"export_hf: wrote {out} (GPT-2 format); load it with "
+        f"AutoModelForCausalLM.from_pretrained({str(out)!r})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.exit(main())
