@@ -266,7 +266,7 @@ def _loop(trainer, splits, checkpoints, run_dir, start_step, meta: dict) -> dict
     pending = None  # (step, metrics on device): fetched one step late so dispatch never waits
     record: dict = {}
     step = start_step
-    stop, every = False, t.log_interval
+    stop = False  # the loop's agreed stop (several processes stop at the same step)
 
     def flush() -> None:
         nonlocal pending, record
@@ -277,8 +277,9 @@ def _loop(trainer, splits, checkpoints, run_dir, start_step, meta: dict) -> dict
             pending = None
 
     try:
-        # stop_agreed: with several processes, all stop at the same step (see there).
-        while step < t.max_steps and not (stop := stop_agreed(bool(interrupted), step, every)):
+        while step < t.max_steps and not (
+            stop := stop_agreed(bool(interrupted), step, t.log_interval)
+        ):
             x, y = trainer.batch(splits.train, step)
             trainer.params, trainer.opt_state, metrics = trainer.train_step(
                 trainer.params, trainer.opt_state, x, y, step
