@@ -63,7 +63,7 @@ def free_port() -> int:
 
 
 def launch(run_dir: Path, corpus_file: Path, *overrides: str, n: int = 2) -> list:
-    """Start `n` training processes on run_dir; returns [(Popen, stderr log path)]."""
+    """Start `n` training processes on run_dir; returns [(Popen, path of its output)]."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *JAX_VARS)}
     base["TINYLLM_HEARTBEAT_TIMEOUT_S"] = "10"
@@ -110,10 +110,17 @@ def finish(procs) -> list[str]:
 def wait_for_steps(run_dir: Path, procs, n: int) -> None:
     """Until process 0 has logged n training steps (so both processes are training)."""
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while len(steps_of(run_dir, "train_loss")) < n:
+    while train_lines_so_far(run_dir) < n:
         assert all(p.poll() is None for p, _ in procs), procs[0][1].read_text()[-2000:]
         assert time.monotonic() < deadline, "training never started"
         time.sleep(0.2)
+
+
+def train_lines_so_far(run_dir: Path) -> int:
+    """Training records in metrics.jsonl while process 0 may be writing its last line."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sum('"train_loss"' in line and line.endswith("}") for line in lines)
 
 
 def stop_all(procs) -> None:
