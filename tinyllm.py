@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int)
     sample.add_argument("--num-samples", type=int, dest="num_samples")
     sample.add_argument("--no-kv-cache", action="store_true", help="full forward per token")
+    sample.add_argument(
+        "--interactive",
+        action="store_true",
+        help="after --prompt (if any), answer prompts read from stdin, one per line "
+        "(the default when no prompt is given)",
+    )
 
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return p
@@ -136,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("tinyllm: interrupted\n")
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head -1`): stop quietly, as Unix tools do. Point stdout at
+        # /dev/null so the interpreter's final flush cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe ended
 
 
 def enable_compilation_cache() -> None:
@@ -191,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     if args.inference:
         from model.inference_stage import run_inference
 
-        run_inference(cfg, run_dir)
+        return run_inference(cfg, run_dir, interactive=args.interactive)
     return 0
 
 

@@ -70,7 +70,8 @@ class TrainConfig:
 
 @dataclass
 class SampleConfig:
-    prompt: str = "\n"
+    # None: no prompt, so --inference reads prompts from stdin; "" samples from end-of-text
+    prompt: str | None = None
     max_new_tokens: int = 500
     temperature: float = 0.8
     top_k: int = 200  # 0 = off
@@ -184,7 +185,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise UsageError(f"config key {key!r} must be a list, got {value!r}")
         return [_coerce(v, item, key) for v in value]
     if origin in (typing.Union, types.UnionType):
-        return value
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or len(options) != 1:
+            return value
+        return _coerce(value, options[0], key)  # an optional value: check its type
     if hint is bool:
         if isinstance(value, bool):
             return value

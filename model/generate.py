@@ -64,7 +64,7 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from model.sampling import sample_logits, sampling_params
+from model.sampling import check_sampling, sample_logits
 from tokenizer.errors import UsageError
 
 PAD_ID = -1  # what a stopped sample emits after its stop token
@@ -116,13 +116,17 @@ def generate(
     if stop_token is not None and not 0 <= stop_token < vocab_size:
         raise UsageError(f"stop_token must be in 0..{vocab_size - 1}, got {stop_token!r}")
     check_memory(cfg, num_samples, use_cache)
-    temperature_, top_k_, top_p_ = sampling_params(temperature, top_k, top_p)
+    if not isinstance(seed, (int, np.integer)) or not -(2**31) <= seed < 2**31:
+        raise UsageError(f"seed must be an integer in -2**31..2**31-1, got {seed!r}")
+    check_sampling(temperature, top_k, top_p)
+    # Plain numpy scalars: traced by the compiled programs, so nothing compiles eagerly here
+    # (the key is made from the seed inside them).
     settings = {
-        "key": jax.random.key(seed),
-        "temperature": temperature_,
-        "top_k": top_k_,
-        "top_p": top_p_,
-        "stop": jnp.asarray(-1 if stop_token is None else stop_token, jnp.int32),
+        "seed": np.int32(seed),
+        "temperature": np.float32(temperature),
+        "top_k": np.int32(top_k),
+        "top_p": np.float32(top_p),
+        "stop": np.int32(-1 if stop_token is None else stop_token),
     }
     return _stream(
         model,
@@ -335,7 +339,9 @@ def _start_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) ->
             {"k": np.zeros(shape, dtype), "v": np.zeros(shape, dtype)}
             for _ in range(model.cfg.n_layer)
         ]
-    return jax.device_put(carry)
+    # Committed to the device, like the compiled calls' outputs that later calls receive: an
+    # uncommitted first carry would make the same program compile twice (once mid-stream).
+    return jax.device_put(carry, jax.devices()[0])
 
 
 def _refill_pieces(graphdef, state, carry, *, shift: int, keep: int, window: int) -> dict:
@@ -369,7 +375,7 @@ def _refill(graphdef, state, carry: dict, shift, start, keep) -> dict:
 
 def _sample_step(logits_BxV: jax.Array, carry: dict, settings: dict) -> tuple[dict, jax.Array]:
     """Sample the next token, update pending/done/step; return (carry, emitted token [B])."""
-    key = jax.random.fold_in(settings["key"], carry["step"])
+    key = jax.random.fold_in(jax.random.key(settings["seed"]), carry["step"])
     token_B = sample_logits(
         logits_BxV, key, settings["temperature"], settings["top_k"], settings["top_p"]
     )
@@ -428,3 +434,12 @@ def _uncached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, ch
         return _sample_step(logits_BxV, {**c, "ctx": ctx, "pos": pos + 1}, settings)
 
     return _run_steps(step, carry, n_steps, chunk_size)
+
+
+def warm_up(model: GPT, *, num_samples: int = 1, use_cache: bool = True, **kwargs) -> None:
+    """Compile what `generate` with these settings will run, by generating one throwaway token:
+    later prompts of any length (and any sampling settings) then compile nothing."""
+    for _ in generate(
+        model, [0], max_new_tokens=1, num_samples=num_samples, use_cache=use_cache, **kwargs
+    ):
+        pass

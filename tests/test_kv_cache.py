@@ -173,17 +173,20 @@ def _compiles_around_first_chunk(stream) -> tuple[list[str], list[str], list[np.
 
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
-def test_no_compilation_after_the_first_token(gen_model, use_cache):
+def test_no_compilation_after_the_first_token(use_cache):
     """What a run needs is compiled before its first token: crossing the context later (three
     times here) compiles nothing, and a second prompt of another length compiles nothing."""
-    # chunk size 5: programs no other test compiles, so this run has to compile them
-    kwargs = dict(max_new_tokens=3 * GEN_BLOCK, chunk_size=5, use_cache=use_cache, top_k=3)
-    before, after, rest = _compiles_around_first_chunk(generate(gen_model, PROMPT, **kwargs))
+    # A model of its own (4 heads): no other test compiles its programs, so this run must.
+    model = tiny_model(seed=3, block_size=GEN_BLOCK, n_layer=1, n_head=4, position="rope")
+    # Weights committed to the device, as a loaded checkpoint's are.
+    nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
+    kwargs = dict(max_new_tokens=3 * GEN_BLOCK, chunk_size=CHUNK, use_cache=use_cache, top_k=3)
+    before, after, rest = _compiles_around_first_chunk(generate(model, PROMPT, **kwargs))
     assert COMPILE_EVENT in before
     assert after == []
     assert sum(c.shape[1] for c in rest) == 3 * GEN_BLOCK - 1
     prompt = list(range(1, 12))  # another length, more than half the context
-    before, after, _ = _compiles_around_first_chunk(generate(gen_model, prompt, **kwargs))
+    before, after, _ = _compiles_around_first_chunk(generate(model, prompt, **kwargs))
     assert before == after == []
 
 
