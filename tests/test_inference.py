@@ -5,6 +5,7 @@ bytes in argv."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -22,10 +23,12 @@ from model.config import ModelConfig
 from model.generate import DecodeClock, check_memory, decode_bytes_per_sample
 from model.inference_stage import timing_line
 from model.train import run_train
+from tests.tiny_models import tiny_model
 from tests.tiny_runs import ROOT, TINY_TRAIN, write_word_corpus
 from tokenizer.errors import UsageError
 from tokenizer.stage import run_tokenize
 
+BENCH = ROOT / "scripts" / "bench_generate.py"
 TIMING = re.compile(
     r"^inference: (\d+) prompt tokens, (\d+) new tokens; first token after ([\d.]+) s "
     r"\(([a-z +]+)\); (decode ([\d,]+) tokens/s|decode speed not measured: too few tokens "
@@ -238,3 +241,16 @@ def test_memory_bound_is_per_sample():
     with pytest.raises(UsageError, match=r"use at most 16 samples"):
         check_memory(cfg, 17, True, available=per * 20)
     assert decode_bytes_per_sample(cfg, False) > 0
+
+
+def test_bench_generate_measures_the_clis_decode_rate():
+    """scripts/bench_generate.py times generation with the CLI's clock: steady-state decode
+    after the first token, every requested token counted."""
+    spec = importlib.util.spec_from_file_location("bench_generate", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = tiny_model(
+        seed=3, block_size=16, n_layer=1, position="rope", norm="rmsnorm", mlp="swiglu"
+    )
+    r = bench.time_generation(model, new_tokens=40, repeats=2, chunk_size=8, num_samples=2)
+    assert r["tokens_per_s"] > 0 and r["first_token_s"] > 0 and len(r["runs"]) == 2
