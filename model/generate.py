@@ -54,6 +54,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -119,15 +120,7 @@ def generate(
     if not isinstance(seed, (int, np.integer)) or not -(2**31) <= seed < 2**31:
         raise UsageError(f"seed must be an integer in -2**31..2**31-1, got {seed!r}")
     check_sampling(temperature, top_k, top_p)
-    # Plain numpy scalars: traced by the compiled programs, so nothing compiles eagerly here
-    # (the key is made from the seed inside them).
-    settings = {
-        "seed": np.int32(seed),
-        "temperature": np.float32(temperature),
-        "top_k": np.int32(top_k),
-        "top_p": np.float32(top_p),
-        "stop": np.int32(-1 if stop_token is None else stop_token),
-    }
+    settings = _settings(seed, temperature, top_k, top_p, stop_token)
     return _stream(
         model,
         prompt.astype(np.int32),
@@ -320,7 +313,25 @@ def _stream(
         yield tokens_BxC
 
 
+def _settings(seed, temperature, top_k, top_p, stop_token) -> dict:
+    """Plain numpy scalars: traced by the compiled programs, so nothing compiles eagerly for
+    them (the key is made from the seed inside the programs)."""
+    return {
+        "seed": np.int32(seed),
+        "temperature": np.float32(temperature),
+        "top_k": np.int32(top_k),
+        "top_p": np.float32(top_p),
+        "stop": np.int32(-1 if stop_token is None else stop_token),
+    }
+
+
 def _start_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) -> dict:
+    # Committed to the device, like the compiled calls' outputs that later calls receive: an
+    # uncommitted first carry would make the same program compile twice (once mid-stream).
+    return jax.device_put(_host_carry(model, prompt, batch, use_cache), jax.devices()[0])
+
+
+def _host_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) -> dict:
     size = model.cfg.block_size
     ctx_S = np.zeros((size,), np.int32)
     ctx_S[: len(prompt) - 1] = prompt[:-1]
@@ -339,9 +350,7 @@ def _start_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) ->
             {"k": np.zeros(shape, dtype), "v": np.zeros(shape, dtype)}
             for _ in range(model.cfg.n_layer)
         ]
-    # Committed to the device, like the compiled calls' outputs that later calls receive: an
-    # uncommitted first carry would make the same program compile twice (once mid-stream).
-    return jax.device_put(carry, jax.devices()[0])
+    return carry
 
 
 def _refill_pieces(graphdef, state, carry, *, shift: int, keep: int, window: int) -> dict:
@@ -436,10 +445,35 @@ def _uncached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, ch
     return _run_steps(step, carry, n_steps, chunk_size)
 
 
-def warm_up(model: GPT, *, num_samples: int = 1, use_cache: bool = True, **kwargs) -> None:
-    """Compile what `generate` with these settings will run, by generating one throwaway token:
-    later prompts of any length (and any sampling settings) then compile nothing."""
-    for _ in generate(
-        model, [0], max_new_tokens=1, num_samples=num_samples, use_cache=use_cache, **kwargs
-    ):
-        pass
+def warm_up(
+    model: GPT,
+    *,
+    num_samples: int = 1,
+    use_cache: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> None:
+    """Compile the programs that `generate` with these settings runs, each in its own thread
+    (XLA compiles outside the GIL, so they overlap on a multi-core machine), by calling them on
+    a throwaway carry: a refill, and a chunk of zero steps. The calls are the ones `generate`
+    makes, so it finds them compiled; later prompts of any length and any sampling settings
+    compile nothing more."""
+    check_memory(model.cfg, num_samples, use_cache)
+    graphdef, state = nnx.split(model)
+    settings = _settings(0, 1.0, 0, 1.0, None)
+    zero = np.int32(0)
+
+    def carry():
+        return _start_carry(model, np.zeros(1, np.int32), num_samples, use_cache)
+
+    if use_cache:
+        jobs = [
+            lambda: _refill(graphdef, state, carry(), zero, zero, zero),
+            lambda: _cached_chunk(graphdef, state, carry(), settings, zero, chunk_size=chunk_size),
+        ]
+    else:
+        jobs = [
+            lambda: _uncached_chunk(graphdef, state, carry(), settings, zero, chunk_size=chunk_size)
+        ]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            jax.block_until_ready(future.result())  # re-raises a failure here

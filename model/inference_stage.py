@@ -121,14 +121,14 @@ def run_inference(
     if s.prompt is not None:
         check_text(s.prompt)
     tokenizer, model, _ = load_trained(run_dir)
+    # Compile everything before the first token (its programs side by side), and in the loop
+    # before the first prompt is read, so each answer's first-token time is its own.
+    warm_up(model, num_samples=s.num_samples, use_cache=s.kv_cache)
     if s.prompt is not None:
         answer(cfg, tokenizer, model, s.prompt, out, started, "load + compile + prefill")
         if not interactive:
             return 0
     else:
-        # Compile before the first prompt is read, so each answer's first-token time is its
-        # own (tokenize + prefill), never the wait for someone to type.
-        warm_up(model, num_samples=s.num_samples, use_cache=s.kv_cache)
         sys.stderr.write(
             f"inference: ready after {time.perf_counter() - started:.2f} s (load + compile); "
             "reading prompts from stdin, one per line\n"

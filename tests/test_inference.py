@@ -130,14 +130,27 @@ def test_prompt_loop_through_a_pipe(bpe_run, xla_cache):
     assert [m[4] for m in lines] == ["prefill"] * 3  # compiled before the first prompt
     assert [int(m[1]) for m in lines][1] == 1  # the empty line: one end-of-text token
     assert "ready after" in err
-    # The same answer as a one-shot run with that prompt.
+    # --interactive answers --prompt first, then reads stdin (here at once at its end): the
+    # same answer for the same prompt, timed from the start of the stage.
     one = subprocess.run(
-        cli(bpe_run, "--max-new-tokens", "6", "--temperature", "0", "--prompt", "or not"),
+        cli(
+            bpe_run,
+            "--max-new-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--prompt",
+            "or not",
+            "--interactive",
+        ),
+        input=b"",
         capture_output=True,
         env=env_with(xla_cache),
         timeout=300,
     )
+    one_err = one.stderr.decode()
     assert one.returncode == 0 and out.endswith("\n" + one.stdout.decode())
+    assert [m[4] for m in timing_lines(one_err)] == ["load + compile + prefill"]
 
 
 def test_prompt_loop_refuses_a_bad_line_and_goes_on(bpe_run, xla_cache):
