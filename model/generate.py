@@ -17,7 +17,8 @@ How it runs (use_cache=True), with two compiled programs whose shapes never chan
      one token (time to first token), and a chunk can stop exactly where the cache fills up:
      the host knows every position in advance, calls refill there and goes on.
   Both programs are compiled before the first token is returned (the first token needs
-  both), so crossing the context later never compiles anything.
+  both; `warm_up` compiles them side by side ahead of it), so crossing the context later
+  never compiles anything, and neither does a new prompt length or new sampling settings.
 
 use_cache=False is the reference (the nanoGPT way, without its crop): every step runs the full
 forward over exactly the tokens the cache would hold, in a fixed [B, block_size] buffer, and
@@ -31,7 +32,8 @@ gives the same tokens whatever the chunk size, and with or without the cache. St
 sample that emits it keeps emitting PAD_ID (-1) after it; the generator stops once every
 sample has stopped, and yields nothing past the last stop.
 
-Chunk size (tokens per compiled call, i.e. streaming granularity), measured with
+Chunk size (tokens per compiled call, i.e. streaming granularity), measured (with the earlier
+fixed-length scan loop, which this loop replaced at the same per-step work) with
 `scripts/bench_generate.py --nanogpt-size --chunk-sizes 1,4,16,64` (0.8M params, context 64,
 500 tokens, cache on, 1 sample, medians of 3, 2-core CPU shared with other jobs, load ~4):
 chunk 1: 839 tok/s, 4: 2151, 16: 2892, 64: 3601. Per-call dispatch and the host sync dominate

@@ -121,6 +121,8 @@ def run_inference(
     if s.prompt is not None:
         check_text(s.prompt)
     tokenizer, model, _ = load_trained(run_dir)
+    if s.prompt is not None:
+        encode_prompt(tokenizer, s.prompt, model.cfg.block_size)  # refuse it before compiling
     # Compile everything before the first token (its programs side by side), and in the loop
     # before the first prompt is read, so each answer's first-token time is its own.
     warm_up(model, num_samples=s.num_samples, use_cache=s.kv_cache)
