@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -193,6 +195,48 @@ def test_ctrl_c_in_the_prompt_loop_exits_130_without_traceback(bpe_run, xla_cach
     assert answer.startswith(b"to be")
     assert proc.returncode == 130, err[-2000:]
     assert "tinyllm: interrupted" in err and "Traceback" not in err
+
+
+def test_prompt_loop_on_a_terminal_shows_a_prompt_and_ends_on_ctrl_c(bpe_run, xla_cache):
+    """With a terminal (a pseudo-terminal here) as stdin, stdout and stderr: `> ` before each
+    line; Ctrl-C (SIGINT) at the prompt ends with one line and exit 130."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        cli(bpe_run, "--max-new-tokens", "4"),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env_with(xla_cache),
+        start_new_session=True,
+    )
+    os.close(slave)
+    output = b""
+
+    def read_until(marker: bytes, seconds: float) -> None:
+        nonlocal output
+        end = time.monotonic() + seconds
+        while marker not in output and time.monotonic() < end:
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    output += os.read(master, 4096)
+                except OSError:  # the child closed the terminal
+                    return
+
+    try:
+        read_until(b"> ", 120)
+        os.write(master, b"to be\n")
+        read_until(b"tokens/s", 60)
+        read_until(b"> ", 10)
+        proc.send_signal(signal.SIGINT)
+        read_until(b"interrupted", 30)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        os.close(master)
+    text = output.decode(errors="replace")
+    assert text.count("> ") >= 2 and "\nto be" in text, text
+    assert "tinyllm: interrupted" in text and "Traceback" not in text, text
+    assert proc.returncode == 130
 
 
 def test_no_prompt_in_the_demo_config():
