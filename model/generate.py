@@ -119,8 +119,7 @@ def generate(
     if stop_token is not None and not 0 <= stop_token < vocab_size:
         raise UsageError(f"stop_token must be in 0..{vocab_size - 1}, got {stop_token!r}")
     check_memory(cfg, num_samples, use_cache)
-    if not isinstance(seed, (int, np.integer)) or not -(2**31) <= seed < 2**31:
-        raise UsageError(f"seed must be an integer in -2**31..2**31-1, got {seed!r}")
+    check_seed(seed)
     check_sampling(temperature, top_k, top_p)
     settings = _settings(seed, temperature, top_k, top_p, stop_token)
     return _stream(
@@ -133,6 +132,14 @@ def generate(
         stop_token,
         chunk_size,
     )
+
+
+def check_seed(seed: int) -> None:
+    """Raise UsageError unless seed is an int32, the range the compiled programs take it in."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise UsageError(f"seed must be an integer, got {seed!r}")
+    if not -(2**31) <= seed < 2**31:
+        raise UsageError(f"seed must be in -2147483648..2147483647, got {seed}")
 
 
 def generate_all(model: GPT, prompt_ids: list[int] | np.ndarray, **kwargs) -> np.ndarray:

@@ -25,7 +25,7 @@ from typing import TextIO
 from configs.schema import Config, config_from_dict
 from model.checkpoint import has_checkpoint
 from model.data import file_sha256
-from model.generate import DecodeClock, generate, warm_up
+from model.generate import DecodeClock, check_seed, generate, warm_up
 from model.quant_checkpoint import (
     QUANT_FILE,
     has_quantized_checkpoint,
@@ -118,6 +118,7 @@ def run_inference(
     s = cfg.sample
     if s.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be positive, got {s.max_new_tokens}")
+    check_seed(s.seed)
     if s.prompt is not None:
         check_text(s.prompt)
     tokenizer, model, _ = load_trained(run_dir)

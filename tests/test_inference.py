@@ -290,6 +290,14 @@ def test_too_many_samples_are_refused_before_allocating(bpe_run, capsys):
     assert "use at most" in err[0]
 
 
+@pytest.mark.parametrize("seed", ["18446744073709551616", "-2147483649"])
+def test_seed_out_of_range_is_one_line(bpe_run, capsys, seed):
+    argv = ["--inference", "--out", str(bpe_run), "--prompt", "to", "--seed", seed]
+    assert tinyllm.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"tinyllm: error: seed must be in -2147483648..2147483647, got {seed}"]
+
+
 def test_memory_bound_is_per_sample():
     cfg = ModelConfig(vocab_size=1024, block_size=128, n_layer=4, n_head=4, n_embd=128)
     per = decode_bytes_per_sample(cfg, True)

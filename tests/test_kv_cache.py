@@ -268,6 +268,9 @@ def test_chunks_stream_in_chunk_size_pieces(gen_model):
         (dict(stop_token=64), "stop_token"),
         (dict(prompt_ids=[]), "prompt is empty"),
         (dict(prompt_ids=[3, 64]), "prompt ids"),
+        (dict(prompt_ids=list(range(GEN_BLOCK + 1))), "longer than the model's context"),
+        (dict(seed=2**31), "seed must be in"),
+        (dict(num_samples=10**12), "num_samples=1000000000000 needs about"),
     ],
 )
 def test_generate_input_validation(gen_model, kwargs, message):
