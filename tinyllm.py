@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int)
     sample.add_argument("--num-samples", type=int, dest="num_samples")
     sample.add_argument("--no-kv-cache", action="store_true", help="full forward per token")
+    sample.add_argument(
+        "--interactive",
+        action="store_true",
+        help="after --prompt (if any), answer prompts read from stdin, one per line "
+        "(the default when no prompt is given)",
+    )
 
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return p
@@ -189,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\ntinyllm: interrupted\n")
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head -1`): stop quietly, as Unix tools do. Point stdout at
+        # /dev/null so the interpreter's final flush cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe ended
     except OSError as err:
         # The filesystem said no (full, read-only, permissions) after the early checks: the
         # user's to fix, so one line naming the path. Other exceptions are bugs: tracebacks.
@@ -300,9 +311,13 @@ def run(args: argparse.Namespace) -> int:
         from tokenizer.errors import UsageError
 
         raise UsageError("--init-from brings GPT-2's own tokenizer: drop --tokenize")
-    writes = args.tokenize or args.train
-    with run_dir_lock(run_dir) if writes else contextlib.nullcontext():
-        run_stages(args, cfg, run_dir)
+    if args.tokenize or args.train:
+        with run_dir_lock(run_dir):  # released before --inference, which only reads
+            run_writing_stages(args, cfg, run_dir)
+    if args.inference:
+        from model.inference_stage import run_inference
+
+        return run_inference(cfg, run_dir, interactive=args.interactive)
     return 0
 
 
@@ -323,14 +338,14 @@ def primary_before_jax() -> bool:
     return not multi_process_requested() or process_index_from_env() == 0
 
 
-def run_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
-    if args.tokenize or args.train:
-        from model.run_dir import check_run_dir
-        from tokenizer.atomic import remove_atomic_leftovers
+def run_writing_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
+    """--tokenize and --train, under the run directory's lock."""
+    from model.run_dir import check_run_dir
+    from tokenizer.atomic import remove_atomic_leftovers
 
-        check_run_dir(run_dir, args.tokenize, args.train, args.resume)
-        if primary_before_jax():
-            remove_atomic_leftovers(run_dir)  # a killed writer's temp files (we hold the lock)
+    check_run_dir(run_dir, args.tokenize, args.train, args.resume)
+    if primary_before_jax():
+        remove_atomic_leftovers(run_dir)  # a killed writer's temp files (we hold the lock)
     if args.tokenize:
         from tokenizer.stage import run_tokenize
 
@@ -339,10 +354,6 @@ def run_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
         from model.train import run_train
 
         run_train(cfg, run_dir, resume=args.resume)
-    if args.inference:
-        from model.inference_stage import run_inference
-
-        run_inference(cfg, run_dir)
 
 
 if __name__ == "__main__":

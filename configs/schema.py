@@ -72,7 +72,8 @@ class TrainConfig:
 
 @dataclass
 class SampleConfig:
-    prompt: str = "\n"
+    # None: no prompt, so --inference reads prompts from stdin; "" samples from end-of-text
+    prompt: str | None = None
     max_new_tokens: int = 500
     temperature: float = 0.8
     top_k: int = 200  # 0 = off
@@ -189,7 +190,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise UsageError(f"config key {key!r} must be a list, got {value!r}")
         return [_coerce(v, item, key) for v in value]
     if origin in (typing.Union, types.UnionType):
-        return value
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or len(options) != 1:
+            return value
+        return _coerce(value, options[0], key)  # an optional value: check its type
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -221,8 +225,8 @@ def validate(cfg: Config) -> None:
     """Check values that types alone cannot: ranges, choices, divisibility.
 
     Every number has a range: counts are integers in 1..2**31-1 (0 allowed where it means
-    "off"), seeds in 0..2**32-1, and every float is finite and in its own range (betas in
-    [0, 1), learning rates > 0, min_lr <= learning_rate...).
+    "off"), train.seed in 0..2**32-1, sample.seed in 0..2**31-1, and every float is finite
+    and in its own range (betas in [0, 1), learning rates > 0, min_lr <= learning_rate...).
     """
     t, d, tok, s = cfg.train, cfg.data, cfg.tokenizer, cfg.sample
     positive = {
@@ -256,9 +260,10 @@ def validate(cfg: Config) -> None:
             raise UsageError(f"{key} must be >= 0, got {value}")
         if isinstance(value, int):
             _at_most(key, value, INT32_MAX)
-    for key, value in {"train.seed": t.seed, "sample.seed": s.seed}.items():
-        if not 0 <= value <= SEED_MAX:
-            raise UsageError(f"{key} must be in 0..{SEED_MAX} (2**32-1), got {value}")
+    if not 0 <= t.seed <= SEED_MAX:
+        raise UsageError(f"train.seed must be in 0..{SEED_MAX} (2**32-1), got {t.seed}")
+    if not 0 <= s.seed <= INT32_MAX:  # sampling takes it as a traced int32 (no recompiling)
+        raise UsageError(f"sample.seed must be in 0..{INT32_MAX} (2**31-1), got {s.seed}")
     _finite("train.learning_rate", t.learning_rate)
     if t.learning_rate <= 0:
         raise UsageError(f"train.learning_rate must be positive, got {t.learning_rate}")

@@ -197,7 +197,9 @@ class Checkpoints:
         the OSError they are, naming the checkpoint directory, so the CLI prints one line."""
         try:
             yield
-        except OSError:
+        except OSError as err:
+            if err.filename is None:  # orbax's own writes (a JSON item) lose the path
+                raise OSError(err.errno, err.strerror, str(self.directory)) from err
             raise
         except Exception as err:
             text = str(err)

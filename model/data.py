@@ -28,7 +28,6 @@ from tokenizer.errors import UsageError
 
 CACHE_DIR = "tokens"
 CACHE_VERSION = 1
-_WRITE_BATCH = 1 << 20  # tokens buffered before a write to the cache file
 
 
 @dataclass(frozen=True)
@@ -182,6 +181,10 @@ def _build_cache(corpus, tokenizer, cache: Path, key: dict) -> dict:
         if n_tokens == 0:
             raise UsageError(f"the corpus {corpus.name} is empty: nothing to train on")
         os.replace(tmp, cache / "tokens.bin")
+    except OSError as err:
+        if err.filename is None:  # a write(2) error (a full disk) carries no path: name it
+            raise OSError(err.errno, err.strerror, str(cache / "tokens.bin")) from err
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     meta = {"key": key, "dtype": np.dtype(dtype).name, "n_tokens": n_tokens, "n_chars": n_chars}

@@ -64,13 +64,21 @@ class MetricsLog:
         self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
 
     def write(self, record: dict) -> None:
-        if self._file is not None:
+        if self._file is None:
+            return
+        try:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        except OSError as err:  # a full disk: name the file (write(2) errors carry no path)
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
 
     def close(self) -> None:
-        if self._file is not None:
+        if self._file is None:
+            return
+        try:
             self._file.close()
+        except OSError as err:  # the last buffered line on a full disk
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -211,7 +211,7 @@ def test_three_stages_end_to_end(tmp_path, text_file):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("ROMEO:") and len(proc.stdout) > len("ROMEO:") + 10
     assert "vocab size 300" in proc.stderr and "bytes/token" in proc.stderr
-    assert "tokens/s decode" in proc.stderr and "generated tokens" in proc.stderr
+    assert "first token after" in proc.stderr and "new tokens" in proc.stderr
     for name in ("tokenizer.pkl", "metrics.jsonl", "config.json", "loss.png", "checkpoints"):
         assert (out / name).exists(), name
     # Same seed, same text (the run is reloaded from its checkpoint).

@@ -92,7 +92,7 @@ def test_round_trip_through_dict():
     [
         ("train.seed=-1", "train.seed must be in 0..4294967295"),
         ("train.seed=4294967296", "train.seed must be in 0..4294967295"),
-        ("sample.seed=18446744073709551616", "sample.seed must be in 0..4294967295"),
+        ("sample.seed=18446744073709551616", "sample.seed must be in 0..2147483647"),
         ("train.learning_rate=nan", "train.learning_rate must be a finite number"),
         ("train.learning_rate=inf", "train.learning_rate must be a finite number"),
         ("train.learning_rate=0", "train.learning_rate must be positive"),
@@ -139,7 +139,7 @@ def test_every_value_has_a_range(override, message):
     [
         "train.seed=0",
         "train.seed=4294967295",
-        "sample.seed=4294967295",
+        "sample.seed=2147483647",
         "train.beta1=0",
         "train.beta2=0.999",
         "train.min_lr=1e-3",  # equal to the peak rate: a constant schedule

@@ -183,7 +183,9 @@ def test_a_second_writer_is_refused_and_a_killed_writer_leaves_no_lock(
             (line,) = error_lines(lines)
             assert "in use by another tinyllm process" in line and f"pid {first.pid}" in line
         # --inference only reads: allowed while the writer works (it may find no checkpoint).
-        code, lines = run_cli(capsys, "--inference", "--out", run_dir, "--max-new-tokens", "2")
+        code, lines = run_cli(
+            capsys, "--inference", "--out", run_dir, "--prompt", "to", "--max-new-tokens", "2"
+        )
         assert not any("in use" in line for line in lines)
     finally:
         first.send_signal(signal.SIGKILL)

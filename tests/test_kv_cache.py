@@ -1,5 +1,7 @@
-"""KV cache and generation: cached logits equal the full forward pass, greedy tokens equal the
-uncached rollout, one compilation per bucket, sliding window, seeds, top-k, stop token."""
+"""KV cache and generation: cached logits equal the full forward pass; with and without the
+cache, greedy and sampled tokens are the same for 4x the context (one sliding-window policy,
+checked against a plain rollout); nothing compiles after the first token; seeds, top-k, stop
+token, chunking, argument checks."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import generate as gen
-from model.generate import PAD_ID, generate, generate_all, prompt_bucket
-from tests.tiny_models import random_tokens, tiny_model
+from model.generate import PAD_ID, generate, generate_all
+from model.sampling import sample_logits, sampling_params
+from tests.tiny_models import forward, random_tokens, tiny_model
 from tokenizer.errors import UsageError
 
 # Every option of position, norm and MLP appears; each variant costs a few seconds of compiling.
@@ -22,7 +24,7 @@ VARIANTS = {
     "rope-rmsnorm-swiglu": dict(position="rope", norm="rmsnorm", mlp="swiglu"),
     "rope-layernorm-gelu": dict(position="rope", norm="layernorm", mlp="gelu"),
 }
-GEN_BLOCK = 32  # generation tests: a context the sliding window must cross quickly
+GEN_BLOCK = 16  # generation tests: a context the sliding window must cross quickly
 CHUNK = 8
 PROMPT = [5, 17, 42, 8, 33]
 
@@ -53,33 +55,32 @@ def test_cached_logits_equal_full_forward(variant):
     np.testing.assert_allclose(np.asarray(cached), np.asarray(full), rtol=1e-5, atol=1e-5)
 
 
-def _reference_greedy(model, prompt, n_new, policy):
-    """Greedy rollout with full forward passes over the context each policy implies.
+_pick = jax.jit(sample_logits)
 
-    "crop": the last block_size tokens (nanoGPT). "halve": what the cached loop does, the
-    context grows to block_size, then restarts from the last block_size // 2 tokens.
-    Runs on a fixed padded buffer (causal, so padding on the right changes nothing).
-    """
+
+def _reference_rollout(model, prompt, n_new, temperature=0.0, seed=0):
+    """The context policy written out plainly: a full forward pass per new token over the
+    tokens the model may see (the text while it fits in block_size; when it would not, its
+    last block_size // 2 tokens, then growing again), sampled as the decode loop samples
+    (greedy, or `fold_in(key(seed), i)` for the i-th token). Runs on a fixed padded buffer
+    (causal, so padding on the right changes nothing)."""
     size = model.cfg.block_size
-    graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    key, settings = jax.random.key(seed), sampling_params(temperature, 0, 1.0)
     seq, ctx_len = list(prompt), len(prompt)
-    for _ in range(n_new):
-        if policy == "crop":
-            ctx_len = min(len(seq), size)
-        elif ctx_len > size:
+    for i in range(n_new):
+        if ctx_len > size:
             ctx_len = size // 2
         buf = np.zeros((1, size), np.int32)
         buf[0, :ctx_len] = seq[-ctx_len:]
-        logits = np.asarray(forward(state, buf))[0, ctx_len - 1]
-        seq.append(int(np.argmax(logits)))
+        logits = np.asarray(forward(model, jnp.asarray(buf)))[:, ctx_len - 1]
+        seq.append(int(_pick(jnp.asarray(logits), jax.random.fold_in(key, i), *settings)[0]))
         ctx_len += 1
     return np.array(seq[len(prompt) :])
 
 
 def _gen_model(variant: str = "rope-rmsnorm-swiglu"):
-    # One layer: generation compiles a loop with two decode paths, and layers are unrolled,
-    # so this halves compile time; the two-layer cache is checked by the logits test above.
+    # One layer: layers are unrolled in the compiled loops, so this halves compile time; the
+    # two-layer cache is checked by the logits test above.
     return tiny_model(seed=3, block_size=GEN_BLOCK, n_layer=1, **VARIANTS[variant])
 
 
@@ -93,51 +94,100 @@ def _gen(model, prompt=PROMPT, **kwargs):
     return generate_all(model, prompt, **kwargs)
 
 
-@pytest.mark.parametrize("variant", ["learned-layernorm-gelu", "rope-rmsnorm-swiglu"])
-def test_greedy_with_cache_equals_without(variant):
-    model = _gen_model(variant)  # the rope variant shares gen_model's compiled loops
-    n_new = GEN_BLOCK - len(PROMPT)  # fills the context exactly: no window policy involved
-    cached = _gen(model, temperature=0.0, max_new_tokens=n_new)
-    expected = _reference_greedy(model, PROMPT, n_new, "crop")  # full forward per token
-    assert cached.shape == (2, n_new)
-    assert len(set(expected.tolist())) > 5  # a non-degenerate rollout
-    np.testing.assert_array_equal(cached[0], expected)
-    np.testing.assert_array_equal(cached[1], expected)
-    if variant == "rope-rmsnorm-swiglu":  # the uncached loop is compiled for gen_model anyway
-        uncached = _gen(model, temperature=0.0, max_new_tokens=n_new, use_cache=False)
-        np.testing.assert_array_equal(cached, uncached)
+# Context 16, so 4x the context is 64 tokens; half the context is 8 tokens. rope-dense is
+# gen_model's configuration, so the two share compiled programs.
+POLICY_MODELS = {
+    "learned-dense": VARIANTS["learned-layernorm-gelu"],
+    "rope-dense": VARIANTS["rope-rmsnorm-swiglu"],
+    "learned-moe": dict(position="learned", moe_experts=4, moe_top_k=2),
+    "rope-moe": dict(position="rope", mlp="swiglu", moe_experts=4, moe_top_k=1),
+}
 
 
-def test_sliding_window_past_block_size(gen_model):
-    n_new = 3 * GEN_BLOCK  # crosses the window several times
-    cached = _gen(gen_model, temperature=0.0, max_new_tokens=n_new)
-    assert cached.shape == (2, n_new)
-    np.testing.assert_array_equal(cached[0], _reference_greedy(gen_model, PROMPT, n_new, "halve"))
-    uncached = _gen(gen_model, temperature=0.0, max_new_tokens=n_new, use_cache=False)
-    np.testing.assert_array_equal(uncached[0], _reference_greedy(gen_model, PROMPT, n_new, "crop"))
+@pytest.mark.parametrize("variant", POLICY_MODELS.values(), ids=POLICY_MODELS.keys())
+def test_cache_and_no_cache_give_the_same_tokens_for_4x_the_context(variant):
+    """Greedy and seeded sampling, with and without the cache, equal the policy's reference,
+    for prompts shorter than, equal to and longer than half the context, and a full one."""
+    model = tiny_model(seed=1, block_size=GEN_BLOCK, n_layer=1, **variant)
+    n_new = 4 * GEN_BLOCK
+    prompts = {n: random_tokens(1, n, seed=n)[0].tolist() for n in (3, 8, 13, 16)}
+    for n, prompt in prompts.items():
+        cached, uncached = (
+            _gen(model, prompt, temperature=0.0, max_new_tokens=n_new, use_cache=use_cache)
+            for use_cache in (True, False)
+        )
+        assert cached.shape == (2, n_new)
+        assert len(set(cached[0, n_new // 2 :].tolist())) > 5, n  # still varied after slides
+        np.testing.assert_array_equal(cached, uncached, err_msg=f"prompt of {n} tokens")
+        np.testing.assert_array_equal(cached[0], cached[1])
+    for n in (3, 13):  # sampled: temperature 1, one seed; the two samples of a batch differ
+        cached, uncached = (
+            _gen(model, prompts[n], temperature=1.0, seed=5, max_new_tokens=n_new, use_cache=c)
+            for c in (True, False)
+        )
+        np.testing.assert_array_equal(cached, uncached, err_msg=f"prompt of {n} tokens")
+        assert not np.array_equal(cached[0], cached[1])
 
 
-def test_prompt_longer_than_context_is_cropped(gen_model):
-    long_prompt = list(random_tokens(1, GEN_BLOCK + 9, seed=5)[0])
-    out = _gen(gen_model, long_prompt, temperature=0.0, max_new_tokens=4)
-    np.testing.assert_array_equal(
-        out, _gen(gen_model, long_prompt[-GEN_BLOCK:], temperature=0.0, max_new_tokens=4)
-    )
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_sliding_window_follows_the_written_out_policy(gen_model, temperature):
+    n_new = 4 * GEN_BLOCK  # crosses the window several times
+    expected = _reference_rollout(gen_model, PROMPT, n_new, temperature, seed=5)
+    for use_cache in (True, False):
+        out = _gen(
+            gen_model, temperature=temperature, seed=5, max_new_tokens=n_new, use_cache=use_cache
+        )
+        assert out.shape == (2, n_new)
+        np.testing.assert_array_equal(out[0], expected, err_msg=f"{use_cache=}")
 
 
-def test_decode_loop_compiles_once(gen_model):
-    _gen(gen_model, max_new_tokens=CHUNK, temperature=0.0)  # compiled here or by an earlier test
-    chunk_fns, prefill_fns = gen._cached_chunk._cache_size(), gen._prefill._cache_size()
-    # Prompts of 5 and 7 tokens share a bucket; several chunks; new sampling settings.
-    assert prompt_bucket(len(PROMPT) - 1, GEN_BLOCK) == prompt_bucket(6, GEN_BLOCK)
-    _gen(gen_model, max_new_tokens=3 * CHUNK, temperature=0.0)
-    _gen(gen_model, [*PROMPT, 1, 2], max_new_tokens=3 * CHUNK, temperature=0.7, top_k=5)
-    _gen(gen_model, [*PROMPT[:4], 9], max_new_tokens=2 * CHUNK, top_p=0.9, seed=4)
-    assert gen._cached_chunk._cache_size() == chunk_fns
-    assert gen._prefill._cache_size() == prefill_fns
-    # a prompt in another bucket may compile a prefill, but the chunk loop is reused
-    _gen(gen_model, list(range(1, 20)), max_new_tokens=CHUNK)
-    assert gen._cached_chunk._cache_size() == chunk_fns
+def test_prompt_longer_than_context_is_refused(gen_model):
+    with pytest.raises(UsageError, match="the prompt is 17 tokens, longer than the model's"):
+        generate(gen_model, list(range(GEN_BLOCK + 1)), max_new_tokens=4)
+    full = _gen(gen_model, list(range(1, GEN_BLOCK + 1)), temperature=0.0, max_new_tokens=4)
+    assert full.shape == (2, 4)  # a prompt that fills the context exactly is fine
+
+
+# jax.monitoring events: a jit cache miss traces (first event), a new program compiles (second)
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _compiles_around_first_chunk(stream) -> tuple[list[str], list[str], list[np.ndarray]]:
+    """(events before the first chunk, events after it, the later chunks) of a stream."""
+    events = []
+
+    def listener(name, *args, **kwargs):
+        if name in (TRACE_EVENT, COMPILE_EVENT):
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        first = next(stream)
+        before = list(events)
+        rest = list(stream)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert first.shape[1] == 1  # the first chunk is the first token
+    return before, events[len(before) :], rest
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+def test_no_compilation_after_the_first_token(use_cache):
+    """What a run needs is compiled before its first token: crossing the context later (three
+    times here) compiles nothing, and a second prompt of another length compiles nothing."""
+    # A model of its own (4 heads): no other test compiles its programs, so this run must.
+    model = tiny_model(seed=3, block_size=GEN_BLOCK, n_layer=1, n_head=4, position="rope")
+    # Weights committed to the device, as a loaded checkpoint's are.
+    nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
+    kwargs = dict(max_new_tokens=3 * GEN_BLOCK, chunk_size=CHUNK, use_cache=use_cache, top_k=3)
+    before, after, rest = _compiles_around_first_chunk(generate(model, PROMPT, **kwargs))
+    assert COMPILE_EVENT in before
+    assert after == []
+    assert sum(c.shape[1] for c in rest) == 3 * GEN_BLOCK - 1
+    prompt = list(range(1, 12))  # another length, more than half the context
+    before, after, _ = _compiles_around_first_chunk(generate(model, prompt, **kwargs))
+    assert before == after == []
 
 
 def test_same_seed_same_output_different_seed_different(gen_model):
@@ -193,13 +243,15 @@ def test_stop_token_stops_the_stream_early(gen_model):
             stop_token=stop,
         )
     )
-    assert len(chunks) == 1  # the generator ended in the first chunk
-    np.testing.assert_array_equal(chunks[0], greedy[:, :2])
+    assert [c.shape[1] for c in chunks] == [1, 1]  # it ended in the stop token's chunk
+    np.testing.assert_array_equal(np.concatenate(chunks, axis=1), greedy[:, :2])
 
 
 def test_chunks_stream_in_chunk_size_pieces(gen_model):
+    """The first chunk is one token; a chunk ends where the cache fills: the prompt's last
+    token goes to position 4, so 1 + 8 + 3 steps fill the 16 slots; then the window slides."""
     chunks = list(generate(gen_model, PROMPT, max_new_tokens=20, chunk_size=CHUNK, num_samples=2))
-    assert [c.shape for c in chunks] == [(2, 8), (2, 8), (2, 4)]
+    assert [c.shape for c in chunks] == [(2, 1), (2, 8), (2, 3), (2, 8)]
     assert all(c.dtype == np.int32 for c in chunks)
 
 
@@ -216,6 +268,9 @@ def test_chunks_stream_in_chunk_size_pieces(gen_model):
         (dict(stop_token=64), "stop_token"),
         (dict(prompt_ids=[]), "prompt is empty"),
         (dict(prompt_ids=[3, 64]), "prompt ids"),
+        (dict(prompt_ids=list(range(GEN_BLOCK + 1))), "longer than the model's context"),
+        (dict(seed=2**31), "seed must be in"),
+        (dict(num_samples=10**12), "num_samples=1000000000000 needs about"),
     ],
 )
 def test_generate_input_validation(gen_model, kwargs, message):
