@@ -3,7 +3,7 @@
 
     python tinyllm.py --tokenize --train --inference --config configs/shakespeare.toml
     python tinyllm.py --tokenize --train --config configs/shakespeare_char.toml \\
-        train.max_steps=200 --input ../shared/data/tinyshakespeare.txt
+        train.max_steps=200 --input tinyshakespeare.txt
     python tinyllm.py --inference --out runs/shakespeare --prompt "ROMEO:" --temperature 0.8
 
 Stages run in the order tokenize -> train -> inference, each finding what the one before left
