@@ -150,4 +150,7 @@ def test_every_value_has_a_range(override, message):
     ],
 )
 def test_range_edges_are_accepted(override):
-    load_config(CONFIGS / "shakespeare.toml", [override])
+    key, _, value = override.partition("=")
+    section, name = key.split(".")
+    cfg = load_config(CONFIGS / "shakespeare.toml", [override])
+    assert getattr(getattr(cfg, section), name) == float(value)
