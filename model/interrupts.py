@@ -79,6 +79,6 @@ def raise_on_sigterm() -> None:
         return
 
     def handle(signum, frame):
-        raise Stopped(signum, "interrupted by SIGTERM (before or after the training loop)")
+        raise Stopped(signum, "interrupted by SIGTERM")
 
     signal.signal(signal.SIGTERM, handle)
