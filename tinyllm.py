@@ -190,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"tinyllm: {printable(str(err))}\n")
         return 1
     except Stopped as stop:
-        sys.stderr.write(f"\ntinyllm: {stop.message}\n")
+        sys.stderr.write(f"{end_progress_line()}tinyllm: {stop.message}\n")
         return stop.exit_code
     except KeyboardInterrupt:
-        sys.stderr.write("\ntinyllm: interrupted\n")
+        sys.stderr.write(f"{end_progress_line()}tinyllm: interrupted\n")
         return 130
     except BrokenPipeError:
         # The reader went away (`| head -1`): stop quietly, as Unix tools do. Point stdout at
@@ -219,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
             "for --inference lower --num-samples (--debug shows the traceback)\n"
         )
         return 2
+
+
+def end_progress_line() -> str:
+    """On a terminal a progress bar may be mid-line: end it before the last message."""
+    return "\r\033[K" if sys.stderr.isatty() else ""
 
 
 def os_error_line(err: OSError) -> str:
