@@ -27,8 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from model.config import ModelConfig
 from model.gpt import GPT
 from model.quant import path_names
 from model.run_dir import CONFIG_FILE, has_checkpoint, has_quantized_checkpoint
+from tokenizer.atomic import staged_directory
 from tokenizer.errors import UsageError
 
 CONFIG_JSON, WEIGHTS, VOCAB_JSON, MERGES_TXT = (
@@ -450,20 +449,13 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
     params = nnx.state(model, nnx.Param)
     eot = tokenizer.special_tokens.get(EOT)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir) as staging:  # never half written, the user's umask
         save_file(params_to_hf(params, cfg), str(staging / WEIGHTS), metadata={"format": "pt"})
         (staging / CONFIG_JSON).write_text(json.dumps(hf_config_of(cfg, eot), indent=2))
         tokenizer.export_gpt2_files(staging / VOCAB_JSON, staging / MERGES_TXT)
         (staging / "tokenizer_config.json").write_text(
             json.dumps(_tokenizer_config(tokenizer, cfg), indent=2)
         )
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 

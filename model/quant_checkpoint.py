@@ -22,10 +22,8 @@ import dataclasses
 import io
 import json
 import math
-import os
 import shutil
 import sys
-import tempfile
 import zipfile
 import zlib
 from pathlib import Path
@@ -51,7 +49,7 @@ from model.quant import (
     unpack_int4,
 )
 from model.run_dir import CONFIG_FILE, QUANT_FILE, has_quantized_checkpoint
-from tokenizer.atomic import dir_mode, write_atomic
+from tokenizer.atomic import staged_directory, write_atomic
 from tokenizer.errors import UsageError
 from tokenizer.stage import TOKENIZER_FILE
 
@@ -218,10 +216,7 @@ def quantize_run(
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UsageError(f"{out_dir} already exists: pick another --out or delete it")
     # Build the whole directory beside its destination, then rename: never half written.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    os.chmod(staging, dir_mode())  # mkdtemp makes 0700: give the run the mode mkdir would
-    try:
+    with staged_directory(out_dir) as staging:
         shutil.copyfile(tok_path, staging / TOKENIZER_FILE)
         (staging / CONFIG_FILE).write_text(json.dumps(source["config"], indent=2))
         meta = {
@@ -232,11 +227,6 @@ def quantize_run(
             "qat_bits": qat,
         }
         write_quantized(staging / QUANT_FILE, params, bits, group_size, meta)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 

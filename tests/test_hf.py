@@ -28,6 +28,7 @@ from model.train import check_compatible
 from tests.tiny_models import TINY, forward, random_tokens, tiny_model
 from tests.tiny_runs import TINY_TRAIN
 from tokenizer import BPETokenizer, CharTokenizer
+from tokenizer.atomic import dir_mode
 from tokenizer.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -402,6 +403,7 @@ def test_export_loads_in_transformers_with_our_logits_and_greedy_text(hf, traine
         "vocab.json",
         "merges.txt",
     }
+    assert out.stat().st_mode & 0o777 == dir_mode()  # the umask's mode, not mkdtemp's 0700
     tokenizer, model, _ = load_trained(trained_run)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     their_tokenizer = transformers.AutoTokenizer.from_pretrained(out)

@@ -12,9 +12,12 @@ b'{}'
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -95,3 +98,29 @@ def remove_atomic_leftovers(directory: str | os.PathLike) -> None:
         for leftover in directory.glob(".*.tmp"):
             if leftover.is_file():
                 leftover.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def staged_directory(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory beside its destination and rename it into place when the block ends
+    without an error: readers see no directory or a whole one, never half of one. It gets the
+    mode `mkdir` would give (mkdtemp's is 0700). `out_dir` must be absent or empty.
+
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "export"
+    >>> with staged_directory(target) as staging:
+    ...     _ = (staging / "a.txt").write_text("a")
+    >>> sorted(p.name for p in target.iterdir())
+    ['a.txt']
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        os.chmod(staging, dir_mode())
+        yield staging
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (the caller checked), or this raises
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
