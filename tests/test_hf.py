@@ -25,6 +25,7 @@ from model.hf_gpt2 import EOT, check_exportable, export_run, load_gpt2
 from model.inference_stage import load_trained
 from model.layers import make_norm
 from model.train import check_compatible
+from tests.test_quant import assert_one_line_error
 from tests.tiny_models import TINY, forward, random_tokens, tiny_model
 from tests.tiny_runs import TINY_TRAIN
 from tokenizer import BPETokenizer, CharTokenizer
@@ -191,14 +192,6 @@ def run_cli(capsys, *argv) -> tuple[int, str, list[str]]:
         code = exit_.code
     captured = capsys.readouterr()
     return code, captured.out, [line for line in captured.err.splitlines() if line.strip()]
-
-
-def assert_one_line_error(code, lines, prefix, *fragments):
-    assert code == 2, lines
-    errors = [line for line in lines if line.startswith(f"{prefix}: error:")]
-    assert len(errors) == 1 and not any("Traceback" in line for line in lines), lines
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
 
 
 # -- GPT-2 in --------------------------------------------------------------------------------

@@ -59,12 +59,16 @@ class Tokenizer:
         become their single ids."""
         if self._specials_re is None:
             return self._encode_ordinary(text)
-        out: list[int] = []
+        return self._encode_around_specials(text, self._encode_ordinary, [])
+
+    def _encode_around_specials(self, text: str, encode_ordinary, out):
+        """Fill `out` (a list, or an array of ids) with the ids of `text`: its special tokens
+        as their single ids, the text between them through `encode_ordinary`."""
         for i, segment in enumerate(split_specials(text, self._specials_re)):
             if i % 2:
                 out.append(self.special_tokens[segment])
             elif segment:
-                out.extend(self._encode_ordinary(segment))
+                out.extend(encode_ordinary(segment))
         return out
 
     # --- decoding ---------------------------------------------------------------------------

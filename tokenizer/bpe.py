@@ -23,7 +23,7 @@ from tokenizer.base import Tokenizer, normalize_specials
 from tokenizer.bpe_train import train_merges
 from tokenizer.errors import UsageError
 from tokenizer.gpt2_files import read_gpt2_files, read_tiktoken_file, write_gpt2_files
-from tokenizer.pretokenize import compile_pattern, count_chunks, split_specials
+from tokenizer.pretokenize import compile_pattern, count_chunks
 
 _SINGLE_BYTES = [bytes([b]) for b in range(256)]
 _NO_RANK = 1 << 62  # above every merge rank; an int compares faster than inf
@@ -212,13 +212,7 @@ class BPETokenizer(Tokenizer):
         """
         if self._specials_re is None:
             return self._encode_ordinary_array(text)
-        out = array("I")
-        for i, segment in enumerate(split_specials(text, self._specials_re)):
-            if i % 2:
-                out.append(self.special_tokens[segment])
-            elif segment:
-                out.extend(self._encode_ordinary_array(segment))
-        return out
+        return self._encode_around_specials(text, self._encode_ordinary_array, array("I"))
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """`[encode(t) for t in texts]`; on the compiled path, on a thread per core."""
