@@ -263,21 +263,30 @@ def quiet_background_errors() -> None:
     sys.unraisablehook = hook
 
 
-def enable_compilation_cache() -> None:
-    """Keep XLA's compiled programs on disk, so a second run starts sampling at once.
-
-    TINYLLM_XLA_CACHE picks the folder (empty string: off); default ~/.cache/tinyllm/xla.
-    """
+def compilation_cache_folder() -> Path | None:
+    """Where compiled programs are kept: TINYLLM_XLA_CACHE (empty string: nowhere), by
+    default ~/.cache/tinyllm/xla; None when it is off or cannot be created."""
     folder = os.environ.get("TINYLLM_XLA_CACHE", str(Path.home() / ".cache" / "tinyllm" / "xla"))
     if not folder:
-        return
-    import jax
-
+        return None
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError:
-        return  # a read-only home: run without the cache
-    jax.config.update("jax_compilation_cache_dir", folder)
+        return None  # a read-only home: run without the cache
+    return Path(folder)
+
+
+def enable_compilation_cache() -> None:
+    """Keep XLA's compiled programs on disk (JAX's persistent cache), so a second training run
+    starts at once. Sampling keeps its own programs (model.program_cache), and a process that
+    only samples leaves JAX's cache off: an executable read from it could not be kept in ours.
+    """
+    folder = compilation_cache_folder()
+    if folder is None:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
@@ -309,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         t = cfg.train
         requested = t.cpu_devices or (1 if multi_process_requested() else 0)
         configure_cpu_devices(requested, t.batch_size // t.grad_accum)
-    if args.train or args.inference:
+    if args.train:
         enable_compilation_cache()
 
     if args.tokenize and cfg.init_from:
@@ -321,8 +330,11 @@ def run(args: argparse.Namespace) -> int:
             run_writing_stages(args, cfg, run_dir)
     if args.inference:
         from model.inference_stage import run_inference
+        from model.program_cache import ProgramCache
 
-        return run_inference(cfg, run_dir, interactive=args.interactive)
+        folder = compilation_cache_folder()
+        cache = ProgramCache(folder / "programs") if folder is not None else None
+        return run_inference(cfg, run_dir, interactive=args.interactive, program_cache=cache)
     return 0
 
 

@@ -17,8 +17,10 @@ How it runs (use_cache=True), with two compiled programs whose shapes never chan
      one token (time to first token), and a chunk can stop exactly where the cache fills up:
      the host knows every position in advance, calls refill there and goes on.
   Both programs are compiled before the first token is returned (the first token needs
-  both; `warm_up` compiles them side by side ahead of it), so crossing the context later
-  never compiles anything, and neither does a new prompt length or new sampling settings.
+  both), so crossing the context later never compiles anything, and neither does a new prompt
+  length or new sampling settings. `generate` alone jit-compiles them at their first call;
+  `compile_programs` compiles them ahead, side by side, and with a `ProgramCache` keeps them
+  on disk as executables, so that the next process skips tracing and compiling (the CLI).
 
 use_cache=False is the reference (the nanoGPT way, without its crop): every step runs the full
 forward over exactly the tokens the cache would hold, in a fixed [B, block_size] buffer, and
@@ -53,26 +55,31 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import serialize_executable
 
 from model.config import ModelConfig
 from model.gpt import GPT
+from model.program_cache import ProgramCache
 from model.sampling import check_sampling, sample_logits
 from tokenizer.errors import UsageError
 
 PAD_ID = -1  # what a stopped sample emits after its stop token
 DEFAULT_CHUNK_SIZE = 16
 MEMORY_SHARE = 0.8  # of the memory available, the most a generation may plan to use
+JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # jax.monitoring: read from its disk cache
 
 
 def generate(
@@ -88,13 +95,16 @@ def generate(
     use_cache: bool = True,
     stop_token: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    programs: DecodePrograms | None = None,
 ) -> Iterator[np.ndarray]:
     """Yield new tokens as int32 arrays [num_samples, n], 1 <= n <= chunk_size, as they are made.
 
     The first chunk is a single token, so its arrival is the time to first token. Concatenated,
     the chunks hold max_new_tokens columns, fewer if every sample stopped. Bad arguments (a
     prompt longer than the context, more samples than memory holds) raise UsageError here,
-    before anything is compiled or allocated.
+    before anything is compiled or allocated. `programs` (from `compile_programs`, for these
+    num_samples, use_cache and chunk_size) runs the stream with nothing left to compile;
+    without them the programs are jit-compiled at their first call.
     """
     cfg = model.cfg
     vocab_size = cfg.vocab_size
@@ -122,15 +132,19 @@ def generate(
     check_seed(seed)
     check_sampling(temperature, top_k, top_p)
     settings = _settings(seed, temperature, top_k, top_p, stop_token)
+    if programs is None:
+        programs = jit_programs(model, use_cache=use_cache, chunk_size=chunk_size)
+    elif programs.num_samples not in (None, num_samples) or (
+        programs.use_cache,
+        programs.chunk_size,
+    ) != (use_cache, chunk_size):
+        raise ValueError(
+            f"programs compiled for {programs.num_samples} samples, "
+            f"use_cache={programs.use_cache}, chunk_size={programs.chunk_size}: not for "
+            f"{num_samples}, {use_cache}, {chunk_size}"
+        )
     return _stream(
-        model,
-        prompt.astype(np.int32),
-        max_new_tokens,
-        settings,
-        num_samples,
-        use_cache,
-        stop_token,
-        chunk_size,
+        model, programs, prompt.astype(np.int32), max_new_tokens, settings, num_samples, stop_token
     )
 
 
@@ -281,14 +295,15 @@ class DecodeClock:
 
 
 def _stream(
-    model, prompt, max_new_tokens, settings, num_samples, use_cache, stop_token, chunk_size
+    model, programs, prompt, max_new_tokens, settings, num_samples, stop_token
 ) -> Iterator[np.ndarray]:
-    graphdef, state = nnx.split(model)
+    state = nnx.state(model)
+    use_cache, chunk_size = programs.use_cache, programs.chunk_size
     size, window = model.cfg.block_size, window_size(model.cfg.block_size)
     carry = _start_carry(model, prompt, num_samples, use_cache)
     pos = len(prompt) - 1  # host copy of carry["pos"]: it advances deterministically
     if use_cache:
-        carry = _refill_pieces(graphdef, state, carry, shift=0, keep=pos, window=window)
+        carry = _refill_pieces(programs.refill, state, carry, shift=0, keep=pos, window=window)
 
     produced = 0
     while produced < max_new_tokens:
@@ -297,17 +312,11 @@ def _stream(
             if pos == size:  # the cache is full: keep the last `window` tokens, pending included
                 keep = window - 1
                 carry = _refill_pieces(
-                    graphdef, state, carry, shift=size - keep, keep=keep, window=window
+                    programs.refill, state, carry, shift=size - keep, keep=keep, window=window
                 )
                 pos = keep
             steps = min(steps, size - pos)
-            carry, tokens_BxC = _cached_chunk(
-                graphdef, state, carry, settings, np.int32(steps), chunk_size=chunk_size
-            )
-        else:
-            carry, tokens_BxC = _uncached_chunk(
-                graphdef, state, carry, settings, np.int32(steps), chunk_size=chunk_size
-            )
+        carry, tokens_BxC = programs.chunk(state, carry, settings, np.int32(steps))
         for _ in range(steps):  # the uncached step slides as the cached host loop does
             pos = (window - 1 if pos == size else pos) + 1
         tokens_BxC = np.asarray(tokens_BxC)[:, :steps]  # waits for this chunk: the stream point
@@ -362,12 +371,11 @@ def _host_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) -> 
     return carry
 
 
-def _refill_pieces(graphdef, state, carry, *, shift: int, keep: int, window: int) -> dict:
+def _refill_pieces(refill, state, carry, *, shift: int, keep: int, window: int) -> dict:
     """Move ctx[shift:shift + keep] to positions 0..keep-1 and write them into the cache, in
     pieces of `window` tokens (at most two: keep < block_size); pos becomes keep."""
     for piece, start in enumerate(range(0, max(keep, 1), window)):
-        carry = _refill(
-            graphdef,
+        carry = refill(
             state,
             carry,
             np.int32(shift if piece == 0 else 0),
@@ -454,35 +462,130 @@ def _uncached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, ch
     return _run_steps(step, carry, n_steps, chunk_size)
 
 
-def warm_up(
+# -- the programs: jit-compiled at first call, or compiled ahead (and kept on disk) ------------
+
+
+@dataclass(frozen=True)
+class DecodePrograms:
+    """The programs a stream runs: `chunk(state, carry, settings, n_steps) -> (carry, tokens)`
+    and, with the cache, `refill(state, carry, shift, start, keep) -> carry`, for one sample
+    count (None: any, as jit compiles per shape), cache choice and chunk size."""
+
+    chunk: Callable
+    refill: Callable | None
+    num_samples: int | None
+    use_cache: bool
+    chunk_size: int
+
+
+def jit_programs(model: GPT, *, use_cache: bool, chunk_size: int) -> DecodePrograms:
+    """The jitted programs, compiled at their first call (each new shape compiles again)."""
+    graphdef = nnx.split(model)[0]
+    chunk = _cached_chunk if use_cache else _uncached_chunk
+    return DecodePrograms(
+        chunk=partial(chunk, graphdef, chunk_size=chunk_size),
+        refill=partial(_refill, graphdef) if use_cache else None,
+        num_samples=None,
+        use_cache=use_cache,
+        chunk_size=chunk_size,
+    )
+
+
+def compile_programs(
     model: GPT,
     *,
     num_samples: int = 1,
     use_cache: bool = True,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> None:
-    """Compile the programs that `generate` with these settings runs, each in its own thread
-    (XLA compiles outside the GIL, so they overlap on a multi-core machine), by calling them on
-    a throwaway carry: a refill, and a chunk of zero steps. The calls are the ones `generate`
-    makes, so it finds them compiled; later prompts of any length and any sampling settings
-    compile nothing more."""
+    cache: ProgramCache | None = None,
+) -> DecodePrograms:
+    """The programs `generate` runs with these settings, compiled before the first token:
+    crossing the context, a new prompt length or new sampling settings compile nothing more.
+
+    With a `cache`, they are read from it when it holds them (no tracing, lowering or
+    compiling), and stored in it when they were compiled here. The two programs compile side by
+    side (XLA compiles outside the GIL).
+    """
     check_memory(model.cfg, num_samples, use_cache)
     graphdef, state = nnx.split(model)
+    arguments = {
+        "model": dataclasses.asdict(model.cfg),
+        "state": [
+            [jax.tree_util.keystr(path), list(x.shape), str(x.dtype)]
+            for path, x in jax.tree_util.tree_leaves_with_path(state)
+        ],
+        "num_samples": num_samples,
+        "use_cache": use_cache,
+        "chunk_size": chunk_size,
+    }
+    stored = cache.get("decode", arguments) if cache is not None else None
+    compiled = _deserialize(stored) if stored is not None else None
+    if compiled is None:
+        compiled, from_jax_cache = _compile(
+            graphdef, state, model, num_samples, use_cache, chunk_size
+        )
+        # An executable that JAX read from its own disk cache cannot be serialized again (on
+        # XLA:CPU it loads but fails to run): keep only what was compiled here.
+        if cache is not None and not from_jax_cache:
+            cache.put("decode", arguments, {name: _serialize(c) for name, c in compiled.items()})
+    return DecodePrograms(
+        chunk=compiled["chunk"],
+        refill=compiled.get("refill"),
+        num_samples=num_samples,
+        use_cache=use_cache,
+        chunk_size=chunk_size,
+    )
+
+
+def _compile(graphdef, state, model, num_samples, use_cache, chunk_size):
+    """({name: jax.stages.Compiled}, whether any came from JAX's persistent cache)."""
     settings = _settings(0, 1.0, 0, 1.0, None)
     zero = np.int32(0)
 
-    def carry():
+    def carry():  # the shapes and shardings of the carries `_stream` passes
         return _start_carry(model, np.zeros(1, np.int32), num_samples, use_cache)
 
+    chunk = _cached_chunk if use_cache else _uncached_chunk
+    jobs = {
+        "chunk": lambda: (
+            chunk.trace(graphdef, state, carry(), settings, zero, chunk_size=chunk_size)
+            .lower()
+            .compile()
+        )
+    }
     if use_cache:
-        jobs = [
-            lambda: _refill(graphdef, state, carry(), zero, zero, zero),
-            lambda: _cached_chunk(graphdef, state, carry(), settings, zero, chunk_size=chunk_size),
-        ]
-    else:
-        jobs = [
-            lambda: _uncached_chunk(graphdef, state, carry(), settings, zero, chunk_size=chunk_size)
-        ]
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        for future in [pool.submit(job) for job in jobs]:
-            jax.block_until_ready(future.result())  # re-raises a failure here
+        jobs["refill"] = lambda: (
+            _refill.trace(graphdef, state, carry(), zero, zero, zero).lower().compile()
+        )
+    hits = []
+
+    def listener(event, **kwargs):
+        if event == JAX_CACHE_HIT:
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            futures = {name: pool.submit(job) for name, job in jobs.items()}
+            compiled = {name: future.result() for name, future in futures.items()}
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+    return compiled, bool(hits)
+
+
+def _serialize(compiled) -> tuple:
+    return serialize_executable.serialize(compiled)  # (payload, in_tree, out_tree)
+
+
+def _deserialize(stored: Any) -> dict | None:
+    """The programs of a cache entry, loaded onto the first device; None if they do not load."""
+    try:
+        device = jax.devices()[0]
+        return {
+            name: serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, backend=device.client, execution_devices=[device]
+            )
+            for name, (payload, in_tree, out_tree) in stored.items()
+        }
+    except Exception:  # an entry this jaxlib cannot load: compile instead
+        return None

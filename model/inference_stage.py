@@ -25,8 +25,9 @@ from typing import TextIO
 from configs.schema import Config, config_from_dict
 from model.checkpoint import has_checkpoint
 from model.data import file_sha256
-from model.generate import DecodeClock, check_seed, generate, warm_up
+from model.generate import DecodeClock, check_seed, compile_programs, generate
 from model.hf_gpt2 import started_from
+from model.program_cache import ProgramCache
 from model.quant_checkpoint import (
     QUANT_FILE,
     has_quantized_checkpoint,
@@ -40,9 +41,10 @@ from tokenizer.stage import TOKENIZER_FILE
 SAMPLE_RULE = "---------------"
 
 
-def load_trained(run_dir: Path):
+def load_trained(run_dir: Path, cache: ProgramCache | None = None):
     """(tokenizer, model, saved config) of a run directory's latest checkpoint, or of its
-    quantized checkpoint (dequantized to float32) when it holds one."""
+    quantized checkpoint (dequantized to float32) when it holds one. A `cache` keeps the
+    abstract model that the weights are restored into."""
     run_dir = Path(run_dir)
     tok_path = run_dir / TOKENIZER_FILE
     quantized = has_quantized_checkpoint(run_dir)
@@ -54,7 +56,7 @@ def load_trained(run_dir: Path):
     if not tok_path.is_file():
         raise UsageError(f"no tokenizer in {run_dir}: the run directory is incomplete")
     tokenizer = load_tokenizer(tok_path)
-    model, meta = (load_quantized_model if quantized else load_float_model)(run_dir)
+    model, meta = (load_quantized_model if quantized else load_float_model)(run_dir, cache)
     if meta.get("tokenizer_sha256") != file_sha256(tok_path):
         raise UsageError(
             f"the tokenizer in {run_dir} is not the one {QUANT_FILE} was made with: "
@@ -111,9 +113,11 @@ def run_inference(
     interactive: bool = False,
     out: TextIO | None = None,
     stdin: TextIO | None = None,
+    program_cache: ProgramCache | None = None,
 ) -> int:
     """Answer `cfg.sample.prompt`, or, without one or with `interactive`, every prompt read
-    from stdin. Returns the exit code: 0, or 2 when a prompt read from stdin was refused."""
+    from stdin. Returns the exit code: 0, or 2 when a prompt read from stdin was refused.
+    `program_cache` keeps what loading and compiling build, for the next run."""
     started = time.perf_counter()
     out = out or sys.stdout
     s = cfg.sample
@@ -127,14 +131,16 @@ def run_inference(
 
         tokenizer, model = load_gpt2(cfg.init_from, cfg.model)  # GPT-2 itself, not a run
     else:
-        tokenizer, model, _ = load_trained(run_dir)
+        tokenizer, model, _ = load_trained(run_dir, program_cache)
     if s.prompt is not None:
         encode_prompt(tokenizer, s.prompt, model.cfg.block_size)  # refuse it before compiling
-    # Compile everything before the first token (its programs side by side), and in the loop
-    # before the first prompt is read, so each answer's first-token time is its own.
-    warm_up(model, num_samples=s.num_samples, use_cache=s.kv_cache)
+    # Compile everything before the first token, and in the loop before the first prompt is
+    # read, so each answer's first-token time is its own.
+    programs = compile_programs(
+        model, num_samples=s.num_samples, use_cache=s.kv_cache, cache=program_cache
+    )
     if s.prompt is not None:
-        answer(cfg, tokenizer, model, s.prompt, out, started, "load + compile + prefill")
+        answer(cfg, tokenizer, model, programs, s.prompt, out, started, "load + compile + prefill")
         if not interactive:
             return 0
     else:
@@ -142,10 +148,10 @@ def run_inference(
             f"inference: ready after {time.perf_counter() - started:.2f} s (load + compile); "
             "reading prompts from stdin, one per line\n"
         )
-    return prompt_loop(cfg, tokenizer, model, out, stdin or sys.stdin)
+    return prompt_loop(cfg, tokenizer, model, programs, out, stdin or sys.stdin)
 
 
-def prompt_loop(cfg: Config, tokenizer, model, out: TextIO, stdin: TextIO) -> int:
+def prompt_loop(cfg: Config, tokenizer, model, programs, out: TextIO, stdin: TextIO) -> int:
     """Answer each line of stdin until end of input; a refused prompt prints one error line
     and the loop goes on. Returns 0, or 2 if any prompt was refused."""
     terminal = stdin.isatty()
@@ -153,7 +159,7 @@ def prompt_loop(cfg: Config, tokenizer, model, out: TextIO, stdin: TextIO) -> in
     try:
         for line in _lines(stdin, terminal):
             try:
-                answer(cfg, tokenizer, model, line, out, time.perf_counter(), "prefill")
+                answer(cfg, tokenizer, model, programs, line, out, time.perf_counter(), "prefill")
             except UsageError as err:
                 sys.stderr.write(f"tinyllm: error: {err}\n")
                 code = 2
@@ -182,7 +188,7 @@ def _lines(stdin, terminal: bool) -> Iterator[str]:
         yield raw.removesuffix("\n").removesuffix("\r")
 
 
-def answer(cfg, tokenizer, model, prompt, out, started, what) -> dict:
+def answer(cfg, tokenizer, model, programs, prompt, out, started, what) -> dict:
     """Stream the answer to one prompt to `out`, then its timing line to stderr."""
     s = cfg.sample
     prompt_ids = encode_prompt(tokenizer, prompt, model.cfg.block_size)
@@ -197,6 +203,7 @@ def answer(cfg, tokenizer, model, prompt, out, started, what) -> dict:
         num_samples=s.num_samples,
         use_cache=s.kv_cache,
         stop_token=stop_token_of(tokenizer),
+        programs=programs,
     )
     clock = DecodeClock(start=started)
     samples = [[] for _ in range(s.num_samples)]

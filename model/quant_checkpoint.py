@@ -38,6 +38,7 @@ from configs.schema import config_from_dict
 from model.checkpoint import CheckpointDamaged, Checkpoints, has_checkpoint
 from model.data import file_sha256
 from model.gpt import GPT
+from model.program_cache import ProgramCache
 from model.quant import (
     SUPPORTED_BITS,
     QuantizedKernel,
@@ -237,14 +238,15 @@ def restore_float_params(run_dir: Path) -> tuple[Any, dict]:
     return params, meta
 
 
-def load_float_model(run_dir: Path) -> tuple[GPT, dict]:
+def load_float_model(run_dir: Path, cache: ProgramCache | None = None) -> tuple[GPT, dict]:
     """(GPT with the weights of the run's latest checkpoint, checkpoint meta); no
-    initialiser runs, the weights come straight from the checkpoint."""
-    graphdef, params, rest, meta = _restore_float(run_dir)
+    initialiser runs, the weights come straight from the checkpoint. A `cache` keeps the
+    abstract model they are restored into."""
+    graphdef, params, rest, meta = _restore_float(run_dir, cache)
     return nnx.merge(graphdef, params, rest), meta
 
 
-def _restore_float(run_dir: Path):
+def _restore_float(run_dir: Path, cache: ProgramCache | None = None):
     checkpoints = Checkpoints(run_dir, read_only=True)
 
     def load(step: int):
@@ -254,7 +256,7 @@ def _restore_float(run_dir: Path):
             model_cfg.validate()
         except UsageError as err:
             raise CheckpointDamaged(f"its config is invalid ({err})") from None
-        graphdef, abstract, rest = _abstract_split(model_cfg)
+        graphdef, abstract, rest = _abstract_split(model_cfg, cache)
         params, _, _ = checkpoints.restore(step, abstract)
         return graphdef, params, rest, meta
 
@@ -265,25 +267,36 @@ def _restore_float(run_dir: Path):
     return graphdef, params, rest, meta
 
 
-def load_quantized_model(run_dir: Path) -> tuple[GPT, dict]:
-    """(GPT with dequantized float32 weights, metadata) from RUN_DIR/quantized.npz."""
+def load_quantized_model(run_dir: Path, cache: ProgramCache | None = None) -> tuple[GPT, dict]:
+    """(GPT with dequantized float32 weights, metadata) from RUN_DIR/quantized.npz; a `cache`
+    keeps the abstract model."""
     path = Path(run_dir) / QUANT_FILE
     meta = read_quantized_meta(path)
     try:
         model_cfg = config_from_dict(meta["config"]).model.validate()
     except UsageError as err:
         raise UsageError(f"{path}: the config it holds is not valid: {err}") from None
-    graphdef, abstract, rest = _abstract_split(model_cfg)
+    graphdef, abstract, rest = _abstract_split(model_cfg, cache)
     params, _ = read_quantized(path, abstract)
     return nnx.merge(graphdef, params, rest), meta
 
 
-def _abstract_split(model_cfg):
-    """graphdef, params as ShapeDtypeStructs (default device), rest: no initialiser is run."""
-    model = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(params=0)))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    if jax.tree_util.tree_leaves(rest):  # non-parameter state needs real values
-        graphdef, _, rest = nnx.split(GPT(model_cfg, rngs=nnx.Rngs(params=0)), nnx.Param, ...)
+def _abstract_split(model_cfg, cache: ProgramCache | None = None):
+    """graphdef, params as ShapeDtypeStructs (default device), rest: no initialiser is run.
+    With a `cache`, read from it (tracing the initialisers is most of loading a small model),
+    or stored in it."""
+    arguments = dataclasses.asdict(model_cfg)
+    stored = cache.get("abstract-model", arguments) if cache is not None else None
+    if stored is not None:
+        graphdef, params, rest = stored
+    else:
+        model = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(params=0)))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if jax.tree_util.tree_leaves(rest):  # non-parameter state needs real values
+            graphdef, _, rest = nnx.split(GPT(model_cfg, rngs=nnx.Rngs(params=0)), nnx.Param, ...)
+        params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        if cache is not None and not jax.tree_util.tree_leaves(rest):
+            cache.put("abstract-model", arguments, (graphdef, params, rest))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params

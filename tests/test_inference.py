@@ -110,6 +110,23 @@ def test_timing_line_wording():
     assert "in 4 samples" in timing_line(clock, 6, 4, False, "prefill")
 
 
+def test_a_second_run_starts_from_the_program_cache(bpe_run, tmp_path):
+    """The first run compiles and keeps its programs; the second traces and compiles nothing
+    (JAX logs every trace and compile it does) and prints the same text."""
+    env = {**env_with(str(tmp_path)), "JAX_LOG_COMPILES": "1"}
+    argv = cli(bpe_run, "--prompt", "to be", "--max-new-tokens", "40", "--seed", "2")
+    first, second = (
+        subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300) for _ in range(2)
+    )
+    assert first.returncode == second.returncode == 0, second.stderr[-2000:]
+    assert "Compiling jit(_cached_chunk)" in first.stderr
+    assert "Finished tracing" not in second.stderr and "Compiling" not in second.stderr
+    assert second.stdout == first.stdout and first.stdout.startswith("to be")
+    assert len(timing_lines(second.stderr)) == 1
+    kept = sorted(p.name.split("-")[0] for p in (tmp_path / "programs").iterdir())
+    assert kept == ["abstract", "decode"]
+
+
 # -- the prompt loop ---------------------------------------------------------------------------
 
 

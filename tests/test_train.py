@@ -274,3 +274,26 @@ def test_evaluate_windows_scores_every_window_once():
     np.testing.assert_allclose(evaluate_windows(model, tokens, rows=3), expected, rtol=1e-5)
     with pytest.raises(UsageError, match="no window"):
         evaluate_windows(model, tokens[:16])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint16", "bool", "int32"])
+def test_host_checksums_equal_the_device_ones(monkeypatch, dtype):
+    """Loading verifies checksums in numpy when the arrays are in host memory; the digests
+    must be the ones the device computed when saving (also across numpy's blocks)."""
+    import jax
+    import jax.numpy as jnp
+
+    from model import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_HOST_BLOCK", 1000)  # a leaf of several blocks
+    rng = np.random.default_rng(0)
+    leaves = [rng.standard_normal(shape) * 1e3 for shape in [(), (7,), (3, 1111), (2, 2, 999)]]
+    if dtype == "bool":
+        leaves = [x > 0 for x in leaves]
+    arrays = [jnp.asarray(x).astype(dtype) for x in leaves]
+    on_device = [int(d) for d in checkpoint._checksums_on_device(arrays)]
+    assert checkpoint.tree_checksums(arrays) == on_device  # numpy's path: one CPU device
+    assert all(checkpoint._readable_in_place(x) for x in arrays)
+    flipped = np.asarray(arrays[2]).copy()
+    flipped.reshape(-1).view(np.uint8)[1234] ^= 1  # one bit
+    assert checkpoint.tree_checksums([jax.device_put(flipped)]) != [on_device[2]]
