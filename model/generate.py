@@ -520,6 +520,8 @@ def compile_programs(
     }
     stored = cache.get("decode", arguments) if cache is not None else None
     compiled = _deserialize(stored) if stored is not None else None
+    if compiled is not None and not _runs(compiled, state, model, num_samples, use_cache):
+        compiled = None  # loaded, but cannot run here: compile, and replace the entry
     if compiled is None:
         compiled, from_jax_cache = _compile(
             graphdef, state, model, num_samples, use_cache, chunk_size
@@ -535,6 +537,21 @@ def compile_programs(
         use_cache=use_cache,
         chunk_size=chunk_size,
     )
+
+
+def _runs(compiled: dict, state, model, num_samples: int, use_cache: bool) -> bool:
+    """Whether kept executables run: a refill and a chunk of zero steps on a throwaway carry
+    (their first call, which the first token would otherwise pay)."""
+    carry = _start_carry(model, np.zeros(1, np.int32), num_samples, use_cache)
+    zero = np.int32(0)
+    try:
+        if use_cache:
+            carry = compiled["refill"](state, carry, zero, zero, zero)
+        settings = _settings(0, 1.0, 0, 1.0, None)
+        jax.block_until_ready(compiled["chunk"](state, carry, settings, zero))
+    except Exception:  # e.g. JaxRuntimeError "Function ... not found"; a mismatched signature
+        return False
+    return True
 
 
 def _compile(graphdef, state, model, num_samples, use_cache, chunk_size):

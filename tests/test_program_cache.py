@@ -173,7 +173,11 @@ import jax
 if sys.argv[1]:
     jax.config.update("jax_compilation_cache_dir", sys.argv[1])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+from model import generate
 from model.generate import compile_programs, generate_all
+if sys.argv[3:] == ["keep-anyway"]:  # as if the guard against JAX's cache were missing
+    compile_ = generate._compile
+    generate._compile = lambda *args: (compile_(*args)[0], False)
 from model.program_cache import ProgramCache
 from tests.tiny_models import tiny_model
 model = tiny_model(seed=4, block_size=16, n_layer=1, position="rope", n_embd=48)
@@ -189,9 +193,9 @@ def test_an_executable_read_from_jaxs_own_cache_is_not_kept(tmp_path):
     got its programs from JAX's persistent cache must leave the program cache alone."""
     jax_cache, first, second = (str(tmp_path / name) for name in ("jax", "first", "second"))
 
-    def run(jax_dir, ours):
+    def run(jax_dir, ours, *extra):
         proc = subprocess.run(
-            [sys.executable, "-c", COMPILE_SCRIPT, jax_dir, ours],
+            [sys.executable, "-c", COMPILE_SCRIPT, jax_dir, ours, *extra],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -206,6 +210,14 @@ def test_an_executable_read_from_jaxs_own_cache_is_not_kept(tmp_path):
     assert entries(Path(second)) == []
     from_ours = run("", first)  # a new process runs the kept executables
     assert compiled_here == from_jax_cache == from_ours
+    # Kept anyway, such an entry loads and then fails on its first call: the next process
+    # finds out before the first token, compiles, and replaces it.
+    run(jax_cache, second, "keep-anyway")
+    (broken,) = entries(Path(second))
+    broken_bytes = broken.read_bytes()
+    assert run("", second) == compiled_here
+    (replaced,) = entries(Path(second))
+    assert replaced.read_bytes() != broken_bytes
 
 
 @pytest.fixture(scope="module")
