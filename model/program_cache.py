@@ -40,6 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from model.cpu_devices import DEVICE_COUNT_FLAG
 from tokenizer.atomic import write_atomic
 
 MAGIC = b"tinyllm program cache 1\n"
@@ -123,12 +124,17 @@ def environment() -> dict[str, Any]:
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "flax": flax.__version__,
+        # The programs run on this one device: how many others the process has (a training
+        # run in the same process splits the CPU into several) changes nothing in them.
         "device": [device.platform, device.device_kind, device.client.platform_version],
-        "devices": jax.device_count(),
         "cpu": _cpu_sha256(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "xla_flags": _flags_without_device_count(os.environ.get("XLA_FLAGS", "")),
         "settings": {name: str(getattr(jax.config, name, None)) for name in _JAX_SETTINGS},
     }
+
+
+def _flags_without_device_count(flags: str) -> str:
+    return " ".join(f for f in flags.split() if not f.startswith(DEVICE_COUNT_FLAG))
 
 
 def _package_source_sha256() -> str:

@@ -5,6 +5,7 @@ and is built again; an executable JAX read from its own disk cache is never kept
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -218,6 +219,35 @@ def test_an_executable_read_from_jaxs_own_cache_is_not_kept(tmp_path):
     assert run("", second) == compiled_here
     (replaced,) = entries(Path(second))
     assert replaced.read_bytes() != broken_bytes
+
+
+def test_programs_kept_by_a_process_with_several_devices_serve_one_with_one(
+    model, tmp_path, compiles
+):
+    """`--train --inference` in one process splits the CPU into one device per core; the
+    programs it keeps (they run on one device) serve a later `--inference` alone."""
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT, "", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(entries(tmp_path)) == 1
+    programs = compile_programs(model, cache=ProgramCache(tmp_path), **SETTINGS)
+    assert compiles == []  # read from the entry the other process kept
+    out = generate_all(
+        model,
+        [5, 17, 42],
+        max_new_tokens=40,
+        temperature=1.0,
+        seed=1,
+        programs=programs,
+        **SETTINGS,
+    )
+    assert out.tolist() == json.loads(proc.stdout)
 
 
 @pytest.fixture(scope="module")
