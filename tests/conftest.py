@@ -9,10 +9,20 @@ tests set their own count in subprocesses.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from model.cpu_devices import DEVICE_COUNT_FLAG
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if DEVICE_COUNT_FLAG not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} {DEVICE_COUNT_FLAG}=1".strip()
+
+# The compilation caches (JAX's, and the program cache) live in a folder of this session's own:
+# nothing from earlier runs on this machine decides what a test sees, and nothing is left in
+# ~/.cache. In-process runs and the CLI's subprocesses share it, as a user's runs share theirs.
+_session_cache = tempfile.mkdtemp(prefix="tinyllm-test-cache-")
+atexit.register(shutil.rmtree, _session_cache, True)
+os.environ["TINYLLM_XLA_CACHE"] = _session_cache

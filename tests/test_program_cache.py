@@ -4,6 +4,7 @@ and is built again; an executable JAX read from its own disk cache is never kept
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -29,10 +30,26 @@ BLOCK = 16
 SETTINGS = dict(num_samples=2, chunk_size=4)
 
 
-@pytest.fixture(scope="module")
+_NEW_SHAPES = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def jax_keeps_nothing_on_disk():
+    """JAX stores no new program in its disk cache during these tests (an in-process --train
+    may have switched it on): an executable read back from it is, rightly, not kept in the
+    program cache, which would make what these tests see depend on what ran before."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+@pytest.fixture
 def model():
-    model = tiny_model(seed=4, block_size=BLOCK, n_layer=1, position="rope", n_embd=48)
-    # committed to the device, as a loaded checkpoint's weights are
+    """A model of a shape no earlier test compiled (so no cache of JAX's holds its programs),
+    weights committed to the device as a loaded checkpoint's are."""
+    vocab = 64 + next(_NEW_SHAPES)
+    model = tiny_model(seed=4, block_size=BLOCK, n_layer=1, position="rope", vocab_size=vocab)
     nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
     return model
 
@@ -75,12 +92,12 @@ def entries(folder: Path, kind: str = "decode") -> list[Path]:
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["kv-cache", "no-cache"])
 def test_programs_read_from_the_cache_give_the_same_tokens(model, tmp_path, compiles, use_cache):
-    expected = rollouts(model, use_cache=use_cache)  # jit-compiled at first call
     cache = ProgramCache(tmp_path)
     compiled = compile_programs(model, use_cache=use_cache, cache=cache, **SETTINGS)
     assert len(entries(tmp_path)) == 1 and len(compiles) == 1
     loaded = compile_programs(model, use_cache=use_cache, cache=cache, **SETTINGS)
     assert len(compiles) == 1  # deserialized executables, nothing traced or compiled
+    expected = rollouts(model, use_cache=use_cache)  # jit-compiled at first call
     for programs in (compiled, loaded):
         for want, got in zip(expected, rollouts(model, programs, use_cache), strict=True):
             np.testing.assert_array_equal(got, want)
@@ -221,11 +238,10 @@ def test_an_executable_read_from_jaxs_own_cache_is_not_kept(tmp_path):
     assert replaced.read_bytes() != broken_bytes
 
 
-def test_programs_kept_by_a_process_with_several_devices_serve_one_with_one(
-    model, tmp_path, compiles
-):
+def test_programs_kept_by_a_process_with_several_devices_serve_one_with_one(tmp_path, compiles):
     """`--train --inference` in one process splits the CPU into one device per core; the
     programs it keeps (they run on one device) serve a later `--inference` alone."""
+    model = tiny_model(seed=4, block_size=16, n_layer=1, position="rope", n_embd=48)  # the script's
     proc = subprocess.run(
         [sys.executable, "-c", COMPILE_SCRIPT, "", str(tmp_path)],
         cwd=ROOT,
