@@ -287,7 +287,7 @@ def _abstract_split(model_cfg, cache: ProgramCache | None = None):
     or stored in it."""
     arguments = dataclasses.asdict(model_cfg)
     stored = cache.get("abstract-model", arguments) if cache is not None else None
-    if stored is not None:
+    if isinstance(stored, tuple) and len(stored) == 3:
         graphdef, params, rest = stored
     else:
         model = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(params=0)))
