@@ -229,10 +229,16 @@ def test_prompt_loop_on_a_terminal_shows_a_prompt_and_ends_on_ctrl_c(bpe_run, xl
     os.close(slave)
     output = b""
 
-    def read_until(marker: bytes, seconds: float) -> None:
+    def read_until(marker: bytes, seconds: float, after: bytes = b"") -> None:
+        """Read until `marker` appears (past the first `after`, when given)."""
         nonlocal output
         end = time.monotonic() + seconds
-        while marker not in output and time.monotonic() < end:
+
+        def seen() -> bool:
+            start = output.find(after) + len(after) if after in output else len(output)
+            return marker in output[start:]
+
+        while not seen() and time.monotonic() < end:
             if select.select([master], [], [], 0.2)[0]:
                 try:
                     output += os.read(master, 4096)
@@ -243,7 +249,7 @@ def test_prompt_loop_on_a_terminal_shows_a_prompt_and_ends_on_ctrl_c(bpe_run, xl
         read_until(b"> ", 120)
         os.write(master, b"to be\n")
         read_until(b"tokens/s", 60)
-        read_until(b"> ", 10)
+        read_until(b"> ", 10, after=b"tokens/s")  # the prompt for the next line
         proc.send_signal(signal.SIGINT)
         read_until(b"interrupted", 30)
         proc.wait(timeout=30)
