@@ -481,9 +481,8 @@ class DecodePrograms:
 def jit_programs(model: GPT, *, use_cache: bool, chunk_size: int) -> DecodePrograms:
     """The jitted programs, compiled at their first call (each new shape compiles again)."""
     graphdef = nnx.split(model)[0]
-    chunk = _cached_chunk if use_cache else _uncached_chunk
     return DecodePrograms(
-        chunk=partial(chunk, graphdef, chunk_size=chunk_size),
+        chunk=partial(_chunk_program(use_cache), graphdef, chunk_size=chunk_size),
         refill=partial(_refill, graphdef) if use_cache else None,
         num_samples=None,
         use_cache=use_cache,
@@ -520,12 +519,11 @@ def compile_programs(
     }
     stored = cache.get("decode", arguments) if cache is not None else None
     compiled = _deserialize(stored) if stored is not None else None
-    if compiled is not None and not _runs(compiled, state, model, num_samples, use_cache):
+    example_args = _example_args(model, num_samples, use_cache)
+    if compiled is not None and not _runs(compiled, example_args):
         compiled = None  # loaded, but cannot run here: compile, and replace the entry
     if compiled is None:
-        compiled, from_jax_cache = _compile(
-            graphdef, state, model, num_samples, use_cache, chunk_size
-        )
+        compiled, from_jax_cache = _compile(graphdef, example_args, use_cache, chunk_size)
         # An executable that JAX read from its own disk cache cannot be serialized again (on
         # XLA:CPU it loads but fails to run): keep only what was compiled here.
         if cache is not None and not from_jax_cache:
@@ -539,51 +537,55 @@ def compile_programs(
     )
 
 
-def _runs(compiled: dict, state, model, num_samples: int, use_cache: bool) -> bool:
-    """Whether kept executables run: a refill and a chunk of zero steps on a throwaway carry
-    (their first call, which the first token would otherwise pay)."""
-    carry = _start_carry(model, np.zeros(1, np.int32), num_samples, use_cache)
+def _chunk_program(use_cache: bool):
+    return _cached_chunk if use_cache else _uncached_chunk
+
+
+def _example_args(model: GPT, num_samples: int, use_cache: bool) -> dict[str, tuple]:
+    """Each program's arguments (after the static ones), as `_stream` passes them: the same
+    shapes, dtypes and shardings, on a throwaway carry of its own (calls donate it)."""
+    state = nnx.state(model)
     zero = np.int32(0)
+
+    def carry():
+        return _start_carry(model, np.zeros(1, np.int32), num_samples, use_cache)
+
+    args = {"chunk": (state, carry(), _settings(0, 1.0, 0, 1.0, None), zero)}
+    if use_cache:
+        args["refill"] = (state, carry(), zero, zero, zero)
+    return args
+
+
+def _runs(compiled: dict, example_args: dict[str, tuple]) -> bool:
+    """Whether kept executables run: each called once on its example arguments (a chunk of
+    zero steps; their first call, which the first token would otherwise pay)."""
     try:
-        if use_cache:
-            carry = compiled["refill"](state, carry, zero, zero, zero)
-        settings = _settings(0, 1.0, 0, 1.0, None)
-        jax.block_until_ready(compiled["chunk"](state, carry, settings, zero))
+        for name, args in example_args.items():
+            jax.block_until_ready(compiled[name](*args))
     except Exception:  # e.g. JaxRuntimeError "Function ... not found"; a mismatched signature
         return False
     return True
 
 
-def _compile(graphdef, state, model, num_samples, use_cache, chunk_size):
+def _compile(graphdef, example_args: dict[str, tuple], use_cache: bool, chunk_size: int):
     """({name: jax.stages.Compiled}, whether any came from JAX's persistent cache)."""
-    settings = _settings(0, 1.0, 0, 1.0, None)
-    zero = np.int32(0)
-
-    def carry():  # the shapes and shardings of the carries `_stream` passes
-        return _start_carry(model, np.zeros(1, np.int32), num_samples, use_cache)
-
-    chunk = _cached_chunk if use_cache else _uncached_chunk
-    jobs = {
-        "chunk": lambda: (
-            chunk.trace(graphdef, state, carry(), settings, zero, chunk_size=chunk_size)
-            .lower()
-            .compile()
-        )
+    trace = {
+        "chunk": partial(_chunk_program(use_cache).trace, chunk_size=chunk_size),
+        "refill": _refill.trace,
     }
-    if use_cache:
-        jobs["refill"] = lambda: (
-            _refill.trace(graphdef, state, carry(), zero, zero, zero).lower().compile()
-        )
     hits = []
 
     def listener(event, **kwargs):
         if event == JAX_CACHE_HIT:
             hits.append(event)
 
+    def compile_one(name: str):
+        return trace[name](graphdef, *example_args[name]).lower().compile()
+
     jax.monitoring.register_event_listener(listener)
     try:
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            futures = {name: pool.submit(job) for name, job in jobs.items()}
+        with ThreadPoolExecutor(max_workers=len(example_args)) as pool:
+            futures = {name: pool.submit(compile_one, name) for name in example_args}
             compiled = {name: future.result() for name, future in futures.items()}
     finally:
         jax.monitoring.unregister_event_listener(listener)
