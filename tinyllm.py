@@ -23,20 +23,15 @@ import re
 import sys
 from pathlib import Path
 
+from plumbing.cli import OneLineParser, os_error_line, printable
+from plumbing.progress import clear_line
+
 ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "shakespeare"
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the contract for every user mistake)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"tinyllm: error: {printable(message)} (see --help)\n")
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(
+    p = OneLineParser(
         prog="tinyllm.py",
         description="Train a byte-level BPE tokenizer, fit a GPT, sample text.",
         epilog="Trailing key=value pairs override config values, e.g. model.n_layer=4 "
@@ -147,34 +142,29 @@ def split_list_overrides(args: argparse.Namespace) -> str | None:
     return None
 
 
-def printable(text: str) -> str:
-    """`text` safe for any stream: bytes that were not UTF-8 on the command line (surrogate
-    escapes) shown as \\xNN instead of failing to print."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line beyond what argparse checks, or None."""
+    problem = split_list_overrides(args)
+    if problem:
+        return problem
+    if not (args.tokenize or args.train or args.inference):
+        return "choose at least one stage: --tokenize, --train, --inference"
+    for item in args.overrides:
+        if "=" not in item:
+            return f"unexpected argument {item!r}: overrides are key=value"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    problem = split_list_overrides(args)
+    problem = argument_problem(args)
     if problem:
         sys.stderr.write(f"tinyllm: error: {printable(problem)} (see --help)\n")
         return 2
-    if not (args.tokenize or args.train or args.inference):
-        sys.stderr.write(
-            "tinyllm: error: choose at least one stage: --tokenize, --train, --inference "
-            "(see --help)\n"
-        )
-        return 2
-    for item in args.overrides:
-        if "=" not in item:
-            sys.stderr.write(
-                f"tinyllm: error: unexpected argument {printable(repr(item))}: overrides are "
-                "key=value (see --help)\n"
-            )
-            return 2
     # Imported late so that --help and flag errors answer at once, without loading JAX.
-    from model.interrupts import Stopped, raise_on_sigterm
-    from tokenizer.errors import TrainingDiverged, UsageError
+    from model.training.errors import TrainingDiverged
+    from plumbing.errors import UsageError
+    from plumbing.signals import Stopped, raise_on_sigterm
 
     raise_on_sigterm()  # SIGTERM unwinds like Ctrl-C: temp files are removed on the way out
     if not args.debug:
@@ -190,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"tinyllm: {printable(str(err))}\n")
         return 1
     except Stopped as stop:
-        sys.stderr.write(f"{end_progress_line()}tinyllm: {stop.message}\n")
+        sys.stderr.write(f"{clear_line()}tinyllm: {stop.message}\n")
         return stop.exit_code
     except KeyboardInterrupt:
-        sys.stderr.write(f"{end_progress_line()}tinyllm: interrupted\n")
+        sys.stderr.write(f"{clear_line()}tinyllm: interrupted\n")
         return 130
     except BrokenPipeError:
         # The reader went away (`| head -1`): stop quietly, as Unix tools do. Point stdout at
@@ -203,12 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         # The filesystem said no (full, read-only, permissions) after the early checks: the
         # user's to fix, so one line naming the path. Other exceptions are bugs: tracebacks.
-        if args.debug or isinstance(err, BrokenPipeError):
+        if args.debug:
             raise
         sys.stderr.write(f"tinyllm: error: {printable(os_error_line(err))}\n")
         return 2
     except Exception as err:
-        from model.distributed import stop_after_peer_failure
+        from model.processes.distributed import stop_after_peer_failure
 
         stop_after_peer_failure(err)  # several processes: a lost peer is one line, exit 1
         if args.debug or not is_out_of_memory(err):
@@ -219,21 +209,6 @@ def main(argv: list[str] | None = None) -> int:
             "for --inference lower --num-samples (--debug shows the traceback)\n"
         )
         return 2
-
-
-def end_progress_line() -> str:
-    """On a terminal a progress bar may be mid-line: end it before the last message."""
-    return "\r\033[K" if sys.stderr.isatty() else ""
-
-
-def os_error_line(err: OSError) -> str:
-    """`[Errno 28] No space left on device: 'runs/x/tokens.bin'` as a sentence with a fix."""
-    what = err.strerror or type(err).__name__
-    paths = [p for p in (err.filename, err.filename2) if p is not None]
-    where = " -> ".join(os.fsdecode(p) if isinstance(p, bytes) else str(p) for p in paths)
-    return (
-        f"{what}: {where}" if where else what
-    ) + " (check the path, its permissions and free space; --debug shows the traceback)"
 
 
 def is_out_of_memory(err: Exception) -> bool:
@@ -247,7 +222,7 @@ def is_out_of_memory(err: Exception) -> bool:
 
 def quiet_background_errors() -> None:
     """A failed background checkpoint write (a full disk) reaches the CLI as one error line
-    (model.checkpoint), but orbax first logs it from its threads as absl and asyncio ERROR
+    (model.rundir.checkpoints), but orbax first logs it from its threads as absl and asyncio ERROR
     lines with tracebacks, and its closed event loops report "Event loop is closed" as
     unraisable exceptions. Silence those echoes; every other exception keeps its traceback."""
     for name in ("absl", "asyncio"):
@@ -278,8 +253,9 @@ def compilation_cache_folder() -> Path | None:
 
 def enable_compilation_cache() -> None:
     """Keep XLA's compiled programs on disk (JAX's persistent cache), so a second training run
-    starts at once. Sampling keeps its own programs (model.program_cache), and a process that
-    only samples leaves JAX's cache off: an executable read from it could not be kept in ours.
+    starts at once. Sampling keeps its own programs (model.decoding.program_cache), and a
+    process that only samples leaves JAX's cache off: an executable read from it could not be
+    kept in ours.
     """
     folder = compilation_cache_folder()
     if folder is None:
@@ -301,17 +277,17 @@ def run(args: argparse.Namespace) -> int:
     if args.no_kv_cache:
         cfg.sample.kv_cache = False
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
-    from model.distributed import check_single_process_stages, multi_process_requested
+    from model.processes.distributed import check_single_process_stages, multi_process_requested
 
     check_single_process_stages(args.tokenize, args.inference)
-    from model.run_dir import check_out_dir, check_run_dir, check_utf8_path
+    from model.rundir.layout import check_out_dir, check_run_dir, check_utf8_path
 
     check_utf8_path(run_dir)
     if args.tokenize or args.train:
         check_out_dir(run_dir)  # a file, under a file, read-only: before JAX loads or a stage runs
         check_run_dir(run_dir, args.tokenize, args.train, args.resume)  # again under the lock
     if args.train:
-        from model.cpu_devices import configure_cpu_devices
+        from model.processes.cpu_devices import configure_cpu_devices
 
         # Before JAX starts its backend: on CPU, one device per core (data parallel); with
         # several processes (maybe on one machine), one device each unless the config says.
@@ -322,15 +298,15 @@ def run(args: argparse.Namespace) -> int:
         enable_compilation_cache()
 
     if args.tokenize and cfg.init_from:
-        from tokenizer.errors import UsageError
+        from plumbing.errors import UsageError
 
         raise UsageError("--init-from brings GPT-2's own tokenizer: drop --tokenize")
     if args.tokenize or args.train:
         with run_dir_lock(run_dir):  # released before --inference, which only reads
             run_writing_stages(args, cfg, run_dir)
     if args.inference:
+        from model.decoding.program_cache import ProgramCache
         from model.inference_stage import run_inference
-        from model.program_cache import ProgramCache
 
         folder = compilation_cache_folder()
         cache = ProgramCache(folder / "programs") if folder is not None else None
@@ -339,9 +315,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_dir_lock(run_dir: Path):
-    """The one-writer lock of a run directory (model.run_lock). With several processes
+    """The one-writer lock of a run directory (model.rundir.lock). With several processes
     (multi-host training) only process 0 writes the run directory, so only it locks."""
-    from model.run_lock import RunLock
+    from model.rundir.lock import RunLock
 
     return RunLock(run_dir) if primary_before_jax() else contextlib.nullcontext()
 
@@ -350,15 +326,15 @@ def primary_before_jax() -> bool:
     """Whether this process writes the run directory, decided from the launcher's variables
     before JAX starts: one process, or process 0 of several. A multi-process launch that
     names no index (a TPU pod's workers) takes no lock and leaves cleaning to training."""
-    from model.distributed import multi_process_requested, process_index_from_env
+    from model.processes.distributed import multi_process_requested, process_index_from_env
 
     return not multi_process_requested() or process_index_from_env() == 0
 
 
 def run_writing_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
     """--tokenize and --train, under the run directory's lock."""
-    from model.run_dir import check_run_dir
-    from tokenizer.atomic import remove_atomic_leftovers
+    from model.rundir.layout import check_run_dir
+    from plumbing.atomic import remove_atomic_leftovers
 
     check_run_dir(run_dir, args.tokenize, args.train, args.resume)
     if primary_before_jax():
@@ -368,7 +344,7 @@ def run_writing_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
 
         run_tokenize(cfg, run_dir)
     if args.train:
-        from model.train import run_train
+        from model.train_stage import run_train
 
         run_train(cfg, run_dir, resume=args.resume)
 
@@ -377,7 +353,7 @@ if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     code = main()
     if code:
-        from model.distributed import exit_if_distributed
+        from model.processes.distributed import exit_if_distributed
 
         exit_if_distributed(code)  # several processes: do not wait for peers at shutdown
     sys.exit(code)

@@ -1,4 +1,14 @@
-"""tinyllm's model library: the GPT, its KV-cache sampler, and the training stage around it.
+"""tinyllm's model library, one room per job, and the two stages built on it.
+
+    train_stage.py      --train: the run's tokenizer and corpus -> trained checkpoints
+    inference_stage.py  --inference: a trained run -> text streamed to stdout
+    network/            the GPT: config, embeddings, attention, MLPs, mixture of experts
+    training/           train settings, token cache, compiled step, loop, metrics, resume
+    decoding/           sample settings, KV-cache decoding, its compiled programs and cache
+    rundir/             the run directory: file layout, lock, checkpoints, opening a trained run
+    processes/          devices and meshes, several processes and hosts
+    quantization/       int8/int4 weights: the math, the quantized file, quantizing a run
+    interop/            Hugging Face GPT-2 checkpoints in and out
 
 Example:
     >>> from flax import nnx
@@ -9,18 +19,18 @@ Example:
     (1, 4)
 """
 
-# `generate` (the function) stays in model.generate: exporting it would shadow the module.
-# Exports load on first use, so `model.config` (which every config load needs) and the other
-# small modules import without pulling in JAX and Flax.
+# Exports load on first use, so that model.network.config (which every config load needs)
+# and the other small modules import without pulling in JAX and Flax.
 _EXPORTS = {
-    "GPT": "model.gpt",
-    "KVCache": "model.gpt",
-    "count_params": "model.gpt",
-    "flops_per_token": "model.gpt",
-    "ModelConfig": "model.config",
-    "PAD_ID": "model.generate",
-    "generate_all": "model.generate",
-    "sample_logits": "model.sampling",
+    "GPT": "model.network.gpt",
+    "KVCache": "model.network.gpt",
+    "count_params": "model.network.gpt",
+    "flops_per_token": "model.network.gpt",
+    "ModelConfig": "model.network.config",
+    "PAD_ID": "model.decoding.steps",
+    "generate": "model.decoding.generate",
+    "generate_all": "model.decoding.generate",
+    "sample_logits": "model.decoding.sampling",
 }
 
 __all__ = sorted(_EXPORTS)

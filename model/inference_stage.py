@@ -22,88 +22,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from configs.schema import Config, config_from_dict
-from model.checkpoint import has_checkpoint
-from model.data import file_sha256
-from model.generate import DecodeClock, check_seed, compile_programs, generate
-from model.hf_gpt2 import started_from
-from model.program_cache import ProgramCache
-from model.quant_checkpoint import (
-    QUANT_FILE,
-    has_quantized_checkpoint,
-    load_float_model,
-    load_quantized_model,
-)
-from tokenizer import load_tokenizer
-from tokenizer.errors import UsageError
-from tokenizer.stage import TOKENIZER_FILE
+from configs.schema import Config
+from model.decoding.clock import DecodeClock, timing_line
+from model.decoding.generate import check_seed, generate
+from model.decoding.program_cache import ProgramCache
+from model.decoding.programs import DecodePrograms, compile_programs
+from model.decoding.prompts import check_text, encode_prompt, stop_token_of
+from model.interop.hf_import import started_from
+from model.network.gpt import GPT
+from model.rundir.trained import open_trained_run
+from plumbing.errors import UsageError
+from tokenizer import Tokenizer
 
 SAMPLE_RULE = "---------------"
-
-
-def load_trained(run_dir: Path, cache: ProgramCache | None = None):
-    """(tokenizer, model, saved config) of a run directory's latest checkpoint, or of its
-    quantized checkpoint (dequantized to float32) when it holds one. A `cache` keeps the
-    abstract model that the weights are restored into."""
-    run_dir = Path(run_dir)
-    tok_path = run_dir / TOKENIZER_FILE
-    quantized = has_quantized_checkpoint(run_dir)
-    if not (quantized or has_checkpoint(run_dir)):
-        raise UsageError(
-            f"no checkpoint in {run_dir}: train first (python tinyllm.py --train ...) or point "
-            "--out at a trained run directory"
-        )
-    if not tok_path.is_file():
-        raise UsageError(f"no tokenizer in {run_dir}: the run directory is incomplete")
-    tokenizer = load_tokenizer(tok_path)
-    model, meta = (load_quantized_model if quantized else load_float_model)(run_dir, cache)
-    if meta.get("tokenizer_sha256") != file_sha256(tok_path):
-        raise UsageError(
-            f"the tokenizer in {run_dir} is not the one {QUANT_FILE} was made with: "
-            "quantize the trained run again"
-            if quantized
-            else f"the tokenizer in {run_dir} changed since the model was trained: retrain it"
-        )
-    return tokenizer, model, config_from_dict(meta["config"])
-
-
-def check_text(prompt: str) -> None:
-    """Refuse a prompt that is not valid Unicode text: bytes that were not UTF-8 reach Python
-    (command line, stdin) as lone surrogates, which no tokenizer can encode."""
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as err:
-        bad = prompt[err.start]
-        what = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else repr(bad)
-        offset = len(prompt[: err.start].encode("utf-8", "surrogateescape"))
-        raise UsageError(
-            f"the prompt is not valid UTF-8 ({what} at byte {offset}): pass the prompt as UTF-8 "
-            "text"
-        ) from None
-
-
-def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
-    """Token ids of a prompt; an empty one is the end-of-text token when the tokenizer has it."""
-    check_text(prompt)
-    ids = tokenizer.encode(prompt)
-    if not ids:
-        eot = stop_token_of(tokenizer)
-        if eot is None:
-            raise UsageError("the prompt is empty: give some text with --prompt")
-        ids = [eot]
-    if len(ids) > block_size:
-        raise UsageError(
-            f"the prompt is {len(ids)} tokens, longer than the model's context of {block_size} "
-            "tokens: shorten it"
-        )
-    return ids
-
-
-def stop_token_of(tokenizer) -> int | None:
-    eot = "<|endoftext|>"
-    if eot in getattr(tokenizer, "special_tokens", ()):
-        return tokenizer.token_to_id(eot)
-    return None
 
 
 def run_inference(
@@ -127,11 +58,11 @@ def run_inference(
     if s.prompt is not None:
         check_text(s.prompt)
     if cfg.init_from and not started_from(run_dir, cfg.init_from):
-        from model.hf_gpt2 import load_gpt2
+        from model.interop.hf_import import load_hf_gpt2
 
-        tokenizer, model = load_gpt2(cfg.init_from, cfg.model)  # GPT-2 itself, not a run
+        tokenizer, model = load_hf_gpt2(cfg.init_from, cfg.model)  # GPT-2 itself, not a run
     else:
-        tokenizer, model, _ = load_trained(run_dir, program_cache)
+        tokenizer, model, _ = open_trained_run(run_dir).load(program_cache)
     if s.prompt is not None:
         encode_prompt(tokenizer, s.prompt, model.cfg.block_size)  # refuse it before compiling
     # Compile everything before the first token, and in the loop before the first prompt is
@@ -151,7 +82,14 @@ def run_inference(
     return prompt_loop(cfg, tokenizer, model, programs, out, stdin or sys.stdin)
 
 
-def prompt_loop(cfg: Config, tokenizer, model, programs, out: TextIO, stdin: TextIO) -> int:
+def prompt_loop(
+    cfg: Config,
+    tokenizer: Tokenizer,
+    model: GPT,
+    programs: DecodePrograms,
+    out: TextIO,
+    stdin: TextIO,
+) -> int:
     """Answer each line of stdin until end of input; a refused prompt prints one error line
     and the loop goes on. Returns 0, or 2 if any prompt was refused."""
     terminal = stdin.isatty()
@@ -188,7 +126,16 @@ def _lines(stdin, terminal: bool) -> Iterator[str]:
         yield raw.removesuffix("\n").removesuffix("\r")
 
 
-def answer(cfg, tokenizer, model, programs, prompt, out, started, what) -> dict:
+def answer(
+    cfg: Config,
+    tokenizer: Tokenizer,
+    model: GPT,
+    programs: DecodePrograms,
+    prompt: str,
+    out: TextIO,
+    started: float,
+    what: str,
+) -> dict:
     """Stream the answer to one prompt to `out`, then its timing line to stderr."""
     s = cfg.sample
     prompt_ids = encode_prompt(tokenizer, prompt, model.cfg.block_size)
@@ -231,20 +178,3 @@ def answer(cfg, tokenizer, model, programs, prompt, out, started, what) -> dict:
         "first_token_s": clock.first_token_s,
         "decode_tokens_per_sec": clock.tokens_per_s,
     }
-
-
-def timing_line(clock: DecodeClock, prompt_tokens: int, samples: int, cache: bool, what: str):
-    """`inference: 6 prompt tokens, 300 new tokens; first token after 2.41 s (load + compile
-    + prefill); decode 2,950 tokens/s (KV cache)`; never a rate it could not measure."""
-    per = f" in {samples} samples" if samples > 1 else ""
-    mode = "KV cache" if cache else "no cache"
-    rate = clock.tokens_per_s
-    if rate is None:
-        decode = f"decode speed not measured: too few tokens after the first ({mode})"
-    else:
-        decode = f"decode {rate:,.0f} tokens/s ({mode})"
-    first = clock.first_token_s
-    return (
-        f"inference: {prompt_tokens} prompt tokens, {clock.new_tokens} new tokens{per}; "
-        f"first token after {first:.2f} s ({what}); {decode}"
-    )

@@ -5,7 +5,7 @@ Random weights by default (speed does not depend on them), or a trained run with
 otherwise). Each mode is run once to compile (reported apart), then timed `--repeats` times;
 the table shows medians of the steady-state decode rate: the tokens after the first over the
 time after the first, measured by the same clock as the timing line of `--inference`
-(model.generate.DecodeClock), so the two figures can be compared. Time it alone, e.g.:
+(model.decoding.generate.DecodeClock), so the two figures can be compared. Time it alone, e.g.:
 
     flock /tmp/tinyllm-bench.lock python scripts/bench_generate.py
     flock /tmp/tinyllm-bench.lock python scripts/bench_generate.py --nanogpt-size
@@ -16,20 +16,22 @@ time after the first, measured by the same clock as the timing line of `--infere
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, uninstalled
 
 import jax
 from flax import nnx
 
-from model.config import ModelConfig
-from model.generate import DEFAULT_CHUNK_SIZE, DecodeClock, generate
-from model.gpt import GPT, count_params
+from model.decoding.clock import DecodeClock
+from model.decoding.generate import generate
+from model.decoding.programs import DEFAULT_CHUNK_SIZE
+from model.network.config import ModelConfig
+from model.network.gpt import GPT, count_params
+from plumbing.cli import OneLineParser
 
 NANOGPT_CHAR = dict(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
 
@@ -90,14 +92,15 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> GPT:
 
 def trained_model(run_dir: str):
     """(model, the run's saved [sample] settings) of a training run directory."""
-    from model.inference_stage import load_trained
+    from configs.schema import config_from_dict
+    from model.rundir.trained import open_trained_run
 
-    _, model, saved = load_trained(Path(run_dir))
-    return model, saved.sample
+    _, model, meta = open_trained_run(run_dir).load()
+    return model, config_from_dict(meta["config"]).sample
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="bench_generate.py", description=__doc__.splitlines()[0])
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--n-layer", type=int, default=4)

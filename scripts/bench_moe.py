@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from configs.schema import load_config  # noqa: E402
+from plumbing.cli import OneLineParser  # noqa: E402
 
 EXPERTS, TOP_K = 4, 2
 VARIANTS = {
@@ -41,11 +42,11 @@ VARIANTS = {
 
 
 def run_variant(name: str, extra: list[str], args, tokenizer_file: Path, out: Path) -> dict:
-    from model.gpt import GPT, count_params
-    from model.metrics import read_metrics
-    from model.train import model_config_for, run_train
+    from model.network.gpt import GPT, count_params
+    from model.rundir.layout import TOKENIZER_FILE
+    from model.train_stage import run_train
+    from model.training.metrics import read_metrics
     from tokenizer import load_tokenizer
-    from tokenizer.stage import TOKENIZER_FILE
 
     overrides = [
         f"data.input={json.dumps([str(args.input)])}",
@@ -62,7 +63,7 @@ def run_variant(name: str, extra: list[str], args, tokenizer_file: Path, out: Pa
     shutil.copy(tokenizer_file, run_dir / TOKENIZER_FILE)  # one tokenizer for both runs
     final = run_train(cfg, run_dir)
 
-    model_cfg = model_config_for(cfg, load_tokenizer(tokenizer_file).vocab_size)
+    model_cfg = cfg.model.for_vocab(load_tokenizer(tokenizer_file).vocab_size)
     from flax import nnx
 
     total = count_params(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
@@ -92,8 +93,8 @@ def time_layers(model_cfg, n_tokens: int, repeats: int = 20) -> list[tuple[str, 
     import jax.numpy as jnp
     from flax import nnx
 
-    from model.layers import GeluMLP
-    from model.moe import MoEMLP
+    from model.network.layers import GeluMLP
+    from model.network.moe import MoEMLP
 
     x_NxD = jax.random.normal(jax.random.key(0), (n_tokens, model_cfg.n_embd))
     dense_cfg = dataclasses.replace(model_cfg, moe_experts=0)
@@ -146,7 +147,9 @@ def table(rows: list[dict], layer_rows, steps: int, command: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(
+        prog="bench_moe.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--input", required=True, help="text file, e.g. tinyshakespeare.txt")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-steps", type=int, default=40)
@@ -154,7 +157,8 @@ def main() -> None:
     args = p.parse_args()
     args.input = Path(args.input).resolve()
 
-    from tokenizer.stage import TOKENIZER_FILE, run_tokenize
+    from model.rundir.layout import TOKENIZER_FILE
+    from tokenizer.stage import run_tokenize
 
     out = Path(args.out)
     tok_dir = out / "tokenizer"

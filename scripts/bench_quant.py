@@ -15,34 +15,39 @@ and adds those rows. Run directories are kept under --workdir and reused when al
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, uninstalled
 
 import jax
 import numpy as np
 
 from configs.schema import load_config
-from model.checkpoint import CHECKPOINT_DIR, Checkpoints, has_checkpoint
-from model.data import CACHE_DIR, load_token_splits
-from model.metrics import bits_per_byte
-from model.parallel import put_batch
-from model.quant_checkpoint import (
+from model.processes.mesh import put_batch
+from model.quantization.checkpoint import linear_weight_bytes, read_quantized
+from model.quantization.export import quantize_run
+from model.rundir.checkpoints import Checkpoints
+from model.rundir.layout import (
+    CHECKPOINT_DIR,
     QUANT_FILE,
-    linear_weight_bytes,
-    quantize_run,
-    read_quantized,
-    restore_float_params,
+    TOKENIZER_FILE,
+    TOKENS_DIR,
+    has_checkpoint,
 )
-from model.train import Trainer, model_config_for, run_train
+from model.rundir.trained import restore_float_params
+from model.train_stage import run_train
+from model.training.data import load_token_splits
+from model.training.metrics import bits_per_byte
+from model.training.trainer import Trainer
+from plumbing.cli import OneLineParser
 from tokenizer import load_tokenizer
-from tokenizer.stage import TOKENIZER_FILE, corpus_for, run_tokenize
+from tokenizer.corpus import corpus_for
+from tokenizer.stage import run_tokenize
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def trained(cfg, run_dir: Path, resume: bool = False) -> None:
@@ -64,7 +69,7 @@ def clone_run(src: Path, dst: Path, with_checkpoints: bool) -> None:
         return
     dst.mkdir(parents=True)
     shutil.copyfile(src / TOKENIZER_FILE, dst / TOKENIZER_FILE)
-    shutil.copytree(src / CACHE_DIR, dst / CACHE_DIR)
+    shutil.copytree(src / TOKENS_DIR, dst / TOKENS_DIR)
     if with_checkpoints:
         shutil.copytree(src / CHECKPOINT_DIR, dst / CHECKPOINT_DIR)
 
@@ -98,7 +103,7 @@ def dir_bytes(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="bench_quant.py", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "shakespeare.toml"))
     p.add_argument("--input", nargs="+", help="text files (default: the config's corpus)")
     p.add_argument("--steps", type=int, help="train.max_steps for both runs")
@@ -155,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     tok_path = fp32_dir / TOKENIZER_FILE
     tokenizer = load_tokenizer(tok_path)
     val_fraction = cfg.data.val_fraction
-    splits = load_token_splits(corpus_for(cfg), tokenizer, tok_path, fp32_dir, val_fraction)
+    splits = load_token_splits(corpus_for(cfg.data), tokenizer, tok_path, fp32_dir, val_fraction)
     # A float32 Trainer (qat_bits=0) scores every model: quantized ones are dequantized first.
-    trainer = Trainer(cfg, model_config_for(cfg, tokenizer.vocab_size))
+    trainer = Trainer(cfg.train, cfg.model.for_vocab(tokenizer.vocab_size))
     shardings = jax.tree_util.tree_map(lambda a: a.sharding, trainer.params)
     fp32_bpb = None
     lines = [

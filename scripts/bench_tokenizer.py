@@ -7,10 +7,10 @@ Run alone on the machine (serialised with other timing work on a shared one):
         --corpus /tmp/bench/debian-docs.txt [--repeats 5]
 
 (a) Single-thread encode of Tiny Shakespeare with GPT-2's vocab, cold chunk cache (every
-    unique chunk runs BPE), ours (compiled core, and the pure-Python path for reference) vs
+    unique chunk runs BPE), ours (C core, and the pure-Python path for reference) vs
     tiktoken's `gpt2` Encoding built offline from the same files.
 (b) All-core encode of the corpus (--corpus, 100 MB or more): ours `encode_batch` (threads
-    over the compiled core) vs tiktoken's `encode_ordinary_batch` with as many threads, on the
+    over the C core) vs tiktoken's `encode_ordinary_batch` with as many threads, on the
     same ~1 MB documents; plus ours through the token-file pipeline (`encode_to_file`).
 (c) BPE training at vocab 8192 on the corpus, ours (as --tokenize: streamed from the file)
     vs HF's ByteLevel BPE trainer (reading the file itself): time and peak memory (max RSS),
@@ -40,7 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tokenizer import BPETokenizer, compiled  # noqa: E402
+from plumbing.cli import OneLineParser  # noqa: E402
+from tokenizer import BPETokenizer, c_core  # noqa: E402
 from tokenizer.gpt2_files import decode_token  # noqa: E402
 from tokenizer.pretokenize import (  # noqa: E402
     PATTERNS,
@@ -89,16 +90,16 @@ def tiktoken_gpt2():
 
 
 def gpt2_ours(pure_python: bool = False) -> BPETokenizer:
-    old = os.environ.get(compiled.PURE_PYTHON_ENV)
-    os.environ[compiled.PURE_PYTHON_ENV] = "1" if pure_python else ""
+    old = os.environ.get(c_core.PURE_PYTHON_ENV)
+    os.environ[c_core.PURE_PYTHON_ENV] = "1" if pure_python else ""
     try:
         return BPETokenizer.from_gpt2_files(*gpt2_files(), [EOT])
     finally:
-        os.environ[compiled.PURE_PYTHON_ENV] = old or ""
+        os.environ[c_core.PURE_PYTHON_ENV] = old or ""
 
 
 def cold(tok: BPETokenizer) -> None:
-    """Empty every chunk cache: the Python one and the compiled per-thread ones."""
+    """Empty every chunk cache: the Python one and the C core's per-thread ones."""
     tok._cache.clear()
     tok._local = threading.local()
 
@@ -183,13 +184,13 @@ def bench_training(name: str, path: Path, vocab_size: int, repeats: int) -> list
 
 def bench_single_thread(text: str, repeats: int) -> list[str]:
     fast, slow, enc = gpt2_ours(), gpt2_ours(pure_python=True), tiktoken_gpt2()
-    assert fast.compiled and not slow.compiled
+    assert fast.uses_c_core and not slow.uses_c_core
     assert fast.encode(text) == enc.encode_ordinary(text), "ids differ from tiktoken"
     mb = len(text.encode("utf-8")) / 1e6
-    times: dict[str, list[float]] = {"compiled": [], "python": [], "tiktoken": []}
+    times: dict[str, list[float]] = {"c_core": [], "python": [], "tiktoken": []}
     for _ in range(repeats):
         cold(fast)
-        times["compiled"].append(timed(lambda: fast.encode(text)))
+        times["c_core"].append(timed(lambda: fast.encode(text)))
         cold(slow)
         times["python"].append(timed(lambda: slow.encode(text)))
         times["tiktoken"].append(timed(lambda: enc.encode_ordinary(text)))
@@ -198,7 +199,7 @@ def bench_single_thread(text: str, repeats: int) -> list[str]:
         row(f"encode Tiny Shakespeare, 1 thread, cold cache, {path} path",
             f"{speed[path]:.1f} MB/s", f"{speed['tiktoken']:.1f} MB/s (tiktoken)",
             speed[path] / speed["tiktoken"], "throughput")
-        for path in ("compiled", "python")
+        for path in ("c_core", "python")
     ]  # fmt: skip
 
 
@@ -210,7 +211,7 @@ def documents(text: str, size: int = 1 << 20) -> list[str]:
 def bench_all_cores(text: str, repeats: int) -> list[str]:
     from tokenizer.pipeline import encode_to_file
 
-    workers = compiled.worker_count()
+    workers = c_core.worker_count()
     fast, enc = gpt2_ours(), tiktoken_gpt2()
     docs = documents(text)
     mb = len(text.encode("utf-8")) / 1e6
@@ -242,7 +243,7 @@ def bench_long_word(shakespeare: str, size: int) -> list[str]:
     for pure in (False, True):
         tok = gpt2_ours(pure_python=pure)
         seconds = timed(lambda t=tok: t.encode(word))
-        label = "python" if pure else "compiled"
+        label = "python" if pure else "c_core"
         rows.append(f"| encode one {size / 1e6:g} MB word, {label} path | {seconds:.2f} s | | |")
     seconds = timed(lambda: BPETokenizer.train(word, 8192))
     rows.append(f"| train vocab 8192 on one {size / 1e6:g} MB word | {seconds:.2f} s | | |")
@@ -250,7 +251,7 @@ def bench_long_word(shakespeare: str, size: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="bench_tokenizer.py", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--corpus", type=Path, help="the 100 MB+ corpus (make_bench_corpus.py)")
     parser.add_argument("--quick", action="store_true", help="small slices, one repeat")
@@ -261,8 +262,8 @@ def main() -> None:
         return
     need("tokenizers")
     need("tiktoken")
-    if not compiled.built():
-        sys.exit(f"bench_tokenizer: {compiled.UNAVAILABLE}")
+    if not c_core.built():
+        sys.exit(f"bench_tokenizer: {c_core.UNAVAILABLE}")
     shakespeare_path = DATA / "tinyshakespeare.txt"
     small_path = DATA / "cs336" / "corpus.en"
     for path in (shakespeare_path, small_path, args.corpus):
@@ -287,7 +288,7 @@ def main() -> None:
     rows += bench_long_word(shakespeare, 20_000 if args.quick else 1_000_000)
 
     print(f"Command: {sys.executable} {' '.join(sys.argv)}")
-    print(f"Medians of {r} repeats; {compiled.worker_count()} cores; HF tokenizers uses all.\n")
+    print(f"Medians of {r} repeats; {c_core.worker_count()} cores; HF tokenizers uses all.\n")
     print("| benchmark | ours | peer | ratio |")
     print("|---|---|---|---|")
     print("\n".join(rows))

@@ -8,7 +8,7 @@
 
 Timing: the compiled train step fed by the real batch sampler, metrics read back every 10
 steps as the training loop does, on the CPU devices --train uses (one per core, see
-model/cpu_devices.py); after warm-up, the median over --repeats windows of --steps steps.
+model/processes/cpu_devices.py); after warm-up, the median over --repeats windows of --steps steps.
 The peers run next, never at the same time: scripts/torch_reference.py (nanoGPT's model and
 CPU step in a lean PyTorch loop) and, given a checkout of karpathy/nanoGPT with
 data/shakespeare_char prepared, nanoGPT's own train.py with its README's CPU command (median
@@ -31,7 +31,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run from a clone, uninstalled
+
+from plumbing.cli import OneLineParser  # noqa: E402
+
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 CONFIG = ROOT / "configs" / "shakespeare_char.toml"
 # nanoGPT README's CPU command for this baseline (train.py in a nanoGPT checkout).
@@ -54,9 +57,9 @@ def time_tinyllm(cfg, steps: int, repeats: int) -> dict:
     import jax
     import numpy as np
 
-    from model.train import Trainer, model_config_for
+    from model.training.trainer import Trainer
 
-    trainer = Trainer(cfg, model_config_for(cfg, 65))
+    trainer = Trainer(cfg.train, cfg.model.for_vocab(65))
     tokens = np.random.default_rng(0).integers(0, 65, 1_000_000).astype(np.uint16)
 
     def run(start: int, n: int) -> None:
@@ -144,13 +147,15 @@ def full_run(out: Path, overrides: list[str]) -> tuple[list[dict], float]:
     ]
     subprocess.run(cmd, check=True, cwd=ROOT)
     wall = time.perf_counter() - t0
-    from model.metrics import read_metrics
+    from model.training.metrics import read_metrics
 
     return [r for r in read_metrics(out) if "val_loss" in r], wall
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(
+        prog="bench_train.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--torch-python", default=sys.executable, help="interpreter with torch")
@@ -169,7 +174,7 @@ def main() -> None:
 
     # As --train does, before JAX starts: one CPU device per core that divides the batch.
     from configs.schema import load_config
-    from model.cpu_devices import configure_cpu_devices
+    from model.processes.cpu_devices import configure_cpu_devices
 
     cfg = load_config(CONFIG, a.overrides)
     t = cfg.train

@@ -14,40 +14,30 @@ User mistakes print one line on stderr and exit with code 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, uninstalled
 
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"eval_split: error: {message} (see --help)\n")
-        sys.exit(2)
+from plumbing.cli import OneLineParser, one_line_errors
 
 
 def evaluate_run(run_dir: Path, rows: int) -> dict:
     """Latest checkpoint of `run_dir` scored on every validation window; one result dict."""
     from configs.schema import config_from_dict
-    from model.data import load_token_splits
-    from model.metrics import bits_per_byte, read_metrics
-    from model.quant_checkpoint import load_float_model
-    from model.run_dir import has_checkpoint
-    from model.train import evaluate_windows
-    from tokenizer import load_tokenizer
-    from tokenizer.errors import UsageError
-    from tokenizer.stage import TOKENIZER_FILE, corpus_for
+    from model.rundir.trained import open_trained_run
+    from model.training.data import load_token_splits
+    from model.training.metrics import bits_per_byte, read_metrics
+    from model.training.trainer import evaluate_windows
+    from tokenizer.corpus import corpus_for
 
-    if not has_checkpoint(run_dir):
-        raise UsageError(f"no checkpoint in {run_dir}: train it first")
-    model, meta = load_float_model(run_dir)
+    run = open_trained_run(run_dir)
+    tokenizer, model, meta = run.load()
     cfg = config_from_dict(meta["config"])
-    tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
     splits = load_token_splits(
-        corpus_for(cfg), tokenizer, run_dir / TOKENIZER_FILE, run_dir, cfg.data.val_fraction
+        corpus_for(cfg.data), tokenizer, run.tokenizer_path, run_dir, cfg.data.val_fraction
     )
     loss = evaluate_windows(model, splits.val, rows)
     step = meta["step"]
@@ -65,20 +55,13 @@ def evaluate_run(run_dir: Path, rows: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _OneLineParser(prog="eval_split.py", description=__doc__.splitlines()[1])
+    p = OneLineParser(prog="eval_split.py", description=__doc__.splitlines()[1])
     p.add_argument("--run", required=True, type=Path, help="trained run directory")
     p.add_argument("--rows", type=int, default=64, help="windows per forward pass")
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     args = p.parse_args(argv)
-    from tokenizer.errors import UsageError
-
-    try:
+    with one_line_errors("eval_split", args.debug):
         print(json.dumps(evaluate_run(args.run, args.rows)))
-    except UsageError as err:
-        if args.debug:
-            raise
-        sys.stderr.write(f"eval_split: error: {err}\n")
-        return 2
     return 0
 
 

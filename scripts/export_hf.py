@@ -15,22 +15,17 @@ refused with one line naming the option, exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, uninstalled
+
+from plumbing.cli import OneLineParser, one_line_errors
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"export_hf: error: {message} (see --help)\n")
-        sys.exit(2)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="export_hf.py", description=__doc__.splitlines()[0])
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="export_hf.py", description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="trained run directory (float or quantized)")
     p.add_argument("--out", required=True, help="new directory for the GPT-2 checkpoint")
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
@@ -39,17 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from tokenizer.errors import UsageError
-
-    try:
-        from model.hf_gpt2 import export_run
+    with one_line_errors("export_hf", args.debug):
+        from model.interop.hf_export import export_run
 
         out = export_run(Path(args.run), Path(args.out))
-    except UsageError as err:
-        if args.debug:
-            raise
-        sys.stderr.write(f"export_hf: error: {err}\n")
-        return 2
     print(
         f"export_hf: wrote {out} (GPT-2 format); load it with "
         f"AutoModelForCausalLM.from_pretrained({str(out)!r})",

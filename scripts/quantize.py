@@ -14,22 +14,17 @@ one line on stderr and exit with code 2.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, uninstalled
+
+from plumbing.cli import OneLineParser, one_line_errors
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"quantize: error: {message} (see --help)\n")
-        sys.exit(2)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="quantize.py", description=__doc__.splitlines()[1])
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="quantize.py", description=__doc__.splitlines()[1])
     p.add_argument("--run", required=True, help="trained run directory (float32 checkpoint)")
     p.add_argument("--bits", type=int, required=True, help="8 (per channel) or 4 (per group)")
     p.add_argument(
@@ -45,23 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from tokenizer.errors import UsageError
-
-    try:
-        from model.quant_checkpoint import QUANT_FILE, linear_weight_bytes, quantize_run
+    with one_line_errors("quantize", args.debug):
+        from model.quantization.checkpoint import linear_weight_bytes
+        from model.quantization.export import quantize_run
+        from model.rundir.layout import QUANT_FILE
 
         out = quantize_run(Path(args.run), args.bits, args.group_size, args.out and Path(args.out))
-    except UsageError as err:
-        if args.debug:
-            raise
-        sys.stderr.write(f"quantize: error: {err}\n")
-        return 2
-    except OSError as err:  # a full or read-only disk: the user's to fix, one line
-        if args.debug:
-            raise
-        where = f": {err.filename}" if err.filename is not None else ""
-        sys.stderr.write(f"quantize: error: {err.strerror or err}{where}\n")
-        return 2
     sizes = linear_weight_bytes(out / QUANT_FILE)
     print(
         f"quantize: wrote {out} (int{args.bits}): linear weights {sizes['linear'] / 1024:.1f} KiB "

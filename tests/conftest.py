@@ -1,6 +1,6 @@
 """Test-session setup: one XLA CPU device in this process unless the environment says more.
 
-`tinyllm.py --train` exposes one CPU device per core (model/cpu_devices.py) by setting
+`tinyllm.py --train` exposes one CPU device per core (model/processes/cpu_devices.py) by setting
 XLA_FLAGS before JAX starts. Tests that call the CLI in-process would otherwise leave that
 flag behind, and whichever test first touches JAX would fix this process's device count by
 test order. Pinning the count here keeps in-process tests on one device; the multi-device
@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 
-from model.cpu_devices import DEVICE_COUNT_FLAG
+from model.processes.cpu_devices import DEVICE_COUNT_FLAG
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if DEVICE_COUNT_FLAG not in _flags:

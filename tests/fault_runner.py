@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def arm(when: str, signum: int, count: int) -> None:
-    from model.checkpoint import Checkpoints
-    from model.train import Trainer
+    from model.rundir.checkpoints import Checkpoints
+    from model.training.trainer import Trainer
 
     fired = []
 

@@ -18,18 +18,18 @@ def short_run(config: str, run_dir: str, overrides: list[str], steps: int = 6) -
     import jax
 
     from configs.schema import load_config
-    from model.data import load_token_splits
-    from model.train import Trainer, model_config_for
+    from model.training.data import load_token_splits
+    from model.training.trainer import Trainer
     from tokenizer import load_tokenizer
-    from tokenizer.stage import corpus_for
+    from tokenizer.corpus import corpus_for
 
     out: dict = {"devices": jax.device_count()}
     tok_path = Path(run_dir) / "tokenizer.pkl"
     tok = load_tokenizer(tok_path)
     for fsdp in (False, True):
         cfg = load_config(config, [*overrides, f"train.fsdp={str(fsdp).lower()}"])
-        splits = load_token_splits(corpus_for(cfg), tok, tok_path, Path(run_dir), 0.1)
-        trainer = Trainer(cfg, model_config_for(cfg, tok.vocab_size))
+        splits = load_token_splits(corpus_for(cfg.data), tok, tok_path, Path(run_dir), 0.1)
+        trainer = Trainer(cfg.train, cfg.model.for_vocab(tok.vocab_size))
         losses = []
         for step in range(steps):
             x, y = trainer.batch(splits.train, step)

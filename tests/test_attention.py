@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.attention import backend_facts, choose_implementation
-from model.config import ModelConfig
-from model.gpt import GPT
+from model.network.attention import backend_facts, choose_implementation
+from model.network.config import ModelConfig
+from model.network.gpt import GPT
+from plumbing.errors import UsageError
 from tests.tiny_models import forward, random_tokens, tiny_model
-from tokenizer.errors import UsageError
 
 
 def choose(requested="auto", *, platform="cuda", capability=(9, 0), dtype="bfloat16", **kw):

@@ -14,8 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from plumbing.errors import UsageError
 from tests.tokenizer_helpers import EOT, data_file, each_path, gpt2_tokenizer  # noqa: F401
-from tokenizer import BPETokenizer, UsageError, base, compiled
+from tokenizer import BPETokenizer, base, c_core
 from tokenizer import bpe as bpe_module
 
 DOUBLE = EOT + EOT
@@ -24,7 +25,7 @@ SPECIALS = [EOT, DOUBLE, "<|pad|>"]
 
 def small_bpe() -> BPETokenizer:
     """A small trained BPE, on the path the environment selects (see `each_path`)."""
-    return _small_bpe(compiled.forced_pure_python() or not compiled.built())
+    return _small_bpe(c_core.forced_pure_python() or not c_core.built())
 
 
 @cache

@@ -10,6 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from plumbing.errors import UsageError
+from plumbing.progress import ProgressBar
 from tests.tokenizer_helpers import (  # noqa: F401 (each_path is a fixture)
     CS336,
     EOT,
@@ -17,16 +19,15 @@ from tests.tokenizer_helpers import (  # noqa: F401 (each_path is a fixture)
     each_path,
     use_merge_loop,
 )
-from tokenizer import BPETokenizer, UsageError
+from tokenizer import BPETokenizer
 from tokenizer import pretokenize as pretok
 from tokenizer.bpe_train import _train_merges_python, train_merges
 from tokenizer.gpt2_files import decode_token
-from tokenizer.progress import ProgressBar
 
 
-@pytest.fixture(params=["compiled", "python"])
+@pytest.fixture(params=["c_core", "python"])
 def merge_loop(request, monkeypatch):
-    """Run the test once on each merge loop (the compiled one skips where it is not built)."""
+    """Run the test once on each merge loop (the C one skips where it is not built)."""
     use_merge_loop(monkeypatch, request.param)
     return request.param
 
@@ -108,7 +109,7 @@ def naive_merges(counts: dict[str, int], num_merges: int) -> list[tuple[bytes, b
 def test_incremental_training_equals_naive(counts, num_merges):
     # Small alphabets make repeated letters ("aaaa": overlapping pairs) and ties common.
     expected = naive_merges(counts, num_merges)
-    assert train_merges(counts, num_merges) == expected  # the compiled loop where it is built
+    assert train_merges(counts, num_merges) == expected  # the C merge loop where it is built
     bar = ProgressBar(1, enabled=False)
     assert _train_merges_python(counts, num_merges, bar) == expected
 

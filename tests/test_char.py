@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from plumbing.errors import UsageError
 from tests.tokenizer_helpers import EOT
-from tokenizer import CharTokenizer, UsageError, base
+from tokenizer import CharTokenizer, base
 
 CORPUS = "First Citizen:\nBefore we proceed any further, hear me speak.\nÉtienne: ça va? 🙂\n"
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from configs.schema import config_from_dict, load_config, parse_override
-from tokenizer.errors import UsageError
+from plumbing.errors import UsageError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from plumbing.errors import UsageError
 from tokenizer import corpus as corpus_mod
 from tokenizer.corpus import dataset_corpus, file_corpus, load_corpus, render_play
-from tokenizer.errors import UsageError
 
 
 def test_file_pieces_rejoin_exactly(tmp_path, monkeypatch):

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import tinyllm
+from plumbing.atomic import write_atomic
 from tests.test_cli import assert_one_line_error, run_main
-from tokenizer.atomic import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAR = ["--config", "shakespeare_char"]
@@ -76,7 +76,7 @@ def test_unwritable_run_directory_is_refused_up_front(
     tmp_path, capsys, text_file, monkeypatch, no_tokenize_stage
 ):
     """access(2) answering EACCES (simulated: root may write anywhere) is one line."""
-    import model.run_dir
+    import model.rundir.layout
 
     run = tmp_path / "run"
     run.mkdir()
@@ -84,7 +84,7 @@ def test_unwritable_run_directory_is_refused_up_front(
     before = snapshot(tmp_path)
     real_access = os.access
     monkeypatch.setattr(
-        model.run_dir.os,
+        model.rundir.layout.os,
         "access",
         lambda path, mode, **kw: False if Path(path) == run else real_access(path, mode, **kw),
     )
@@ -358,7 +358,7 @@ def test_memory_lower_bound_admits_the_shipped_configs():
     124M GPT-2 config on one 80 GB GPU, where JAX's allocator takes 75% of it: about 58 GiB;
     the others in a few GB of RAM)."""
     from configs.schema import load_config
-    from model.memory import training_bytes
+    from model.training.memory import training_bytes
 
     for path in sorted((ROOT / "configs").glob("*.toml")):
         cfg = load_config(path)

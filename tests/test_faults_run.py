@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import tinyllm
-from model.checkpoint import DAMAGED_DIR, Checkpoints
-from model.metrics import read_metrics
+from model.rundir.checkpoints import Checkpoints
+from model.rundir.layout import DAMAGED_DIR
+from model.training.metrics import read_metrics
 from tests.tiny_runs import TINY_TRAIN, write_word_corpus
 
 ROOT = Path(__file__).resolve().parents[1]

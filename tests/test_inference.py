@@ -21,13 +21,13 @@ import pytest
 
 import tinyllm
 from configs.schema import load_config
-from model.config import ModelConfig
-from model.generate import DecodeClock, check_memory, decode_bytes_per_sample
-from model.inference_stage import timing_line
-from model.train import run_train
+from model.decoding.budget import check_memory, decode_bytes_per_sample
+from model.decoding.clock import DecodeClock, timing_line
+from model.network.config import ModelConfig
+from model.train_stage import run_train
+from plumbing.errors import UsageError
 from tests.tiny_models import tiny_model
 from tests.tiny_runs import ROOT, TINY_TRAIN, write_word_corpus
-from tokenizer.errors import UsageError
 from tokenizer.stage import run_tokenize
 
 BENCH = ROOT / "scripts" / "bench_generate.py"
@@ -119,7 +119,7 @@ def test_a_second_run_starts_from_the_program_cache(bpe_run, tmp_path):
         subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300) for _ in range(2)
     )
     assert first.returncode == second.returncode == 0, second.stderr[-2000:]
-    assert "Compiling jit(_cached_chunk)" in first.stderr
+    assert "Compiling jit(cached_chunk)" in first.stderr
     assert "Finished tracing" not in second.stderr and "Compiling" not in second.stderr
     assert second.stdout == first.stdout and first.stdout.startswith("to be")
     assert len(timing_lines(second.stderr)) == 1

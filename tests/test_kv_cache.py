@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.generate import PAD_ID, generate, generate_all
-from model.sampling import sample_logits, sampling_params
+from model.decoding.generate import generate, generate_all
+from model.decoding.sampling import sample_logits, sampling_params
+from model.decoding.steps import PAD_ID
+from plumbing.errors import UsageError
 from tests.tiny_models import forward, random_tokens, tiny_model
-from tokenizer.errors import UsageError
 
 # Every option of position, norm and MLP appears; each variant costs a few seconds of compiling.
 VARIANTS = {

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.attention import CausalSelfAttention
-from model.gpt import GPT, count_params, flops_per_token
-from model.layers import GeluMLP, swiglu_hidden
+from model.network.attention import CausalSelfAttention
+from model.network.gpt import GPT, count_params, flops_per_token
+from model.network.layers import GeluMLP, swiglu_hidden
+from plumbing.errors import UsageError
 from tests.tiny_models import TINY, forward, tiny_model
-from tokenizer.errors import UsageError
 
 VARIANTS = [
     dict(position="learned", norm="layernorm", mlp="gelu", bias=True),
@@ -209,7 +209,7 @@ def test_valid_config_passes_and_moe_replaces_every_kth_mlp():
 def test_gelu_matches_jax_exact_gelu_in_value_and_gradient():
     # gelu_exact is the erf form (as torch's nn.GELU), chosen for speed on XLA:CPU; it must
     # stay the exact GELU, not the tanh approximation (which differs by up to ~5e-4).
-    from model.activations import gelu_exact
+    from model.network.activations import gelu_exact
 
     x = jnp.linspace(-8.0, 8.0, 4001, dtype=jnp.float32)
     np.testing.assert_allclose(gelu_exact(x), jax.nn.gelu(x, approximate=False), rtol=0, atol=2e-6)

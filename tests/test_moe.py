@@ -20,10 +20,8 @@ from flax import nnx
 
 import tinyllm
 from configs.schema import load_config
-from model.checkpoint import Checkpoints
-from model.layers import GeluMLP, SwiGLUMLP, swiglu_hidden
-from model.metrics import read_metrics
-from model.moe import (
+from model.network.layers import GeluMLP, SwiGLUMLP, swiglu_hidden
+from model.network.moe import (
     MoEMLP,
     capacity_slots,
     expert_capacity,
@@ -32,9 +30,11 @@ from model.moe import (
     router_z_loss,
     top_k_routing,
 )
-from model.train import run_train
+from model.rundir.checkpoints import Checkpoints
+from model.train_stage import run_train
+from model.training.metrics import read_metrics
+from plumbing.errors import UsageError
 from tests.tiny_models import TINY, random_tokens, tiny_model
-from tokenizer.errors import UsageError
 from tokenizer.stage import run_tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,7 +272,7 @@ _SHARDING_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from model.parallel import data_mesh, param_shardings
+    from model.processes.mesh import data_mesh, param_shardings
     from tests.tiny_models import random_tokens, tiny_model
     out, mesh = {}, data_mesh()
     for experts in (4, 3):

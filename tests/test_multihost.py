@@ -23,18 +23,19 @@ import numpy as np
 import pytest
 
 import tinyllm
-from model.checkpoint import Checkpoints
-from model.distributed import (
+from model.processes.distributed import (
     initialize_kwargs,
     multi_process_requested,
     process_index_from_env,
     wait_for_primary,
 )
-from model.metrics import read_metrics
-from model.train import run_train
+from model.rundir.checkpoints import Checkpoints
+from model.rundir.layout import TOKENIZER_FILE
+from model.train_stage import run_train
+from model.training.metrics import read_metrics
+from plumbing.errors import UsageError
 from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
-from tokenizer.errors import UsageError
-from tokenizer.stage import TOKENIZER_FILE, run_tokenize
+from tokenizer.stage import run_tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [*TINY_TRAIN, "train.lr_decay_steps=8"]
@@ -309,29 +310,30 @@ def test_waiting_for_process_0_is_bounded():
 def test_other_processes_read_the_token_cache_and_never_write_it(
     tmp_path, monkeypatch, corpus_file, single_run
 ):
-    from model import data
+    from model.rundir.layout import TOKENS_DIR
+    from model.training import data
     from tokenizer import load_tokenizer
-    from tokenizer.stage import corpus_for
+    from tokenizer.corpus import corpus_for
 
     cfg = tiny_run_config(corpus_file, TINY)
-    built = single_run / data.CACHE_DIR  # the cache process 0 would write (same corpus, tokenizer)
+    built = single_run / TOKENS_DIR  # the cache process 0 would write (same corpus, tokenizer)
     run_dir = tokenized_copy(single_run, tmp_path / "run")
     tok_path = run_dir / TOKENIZER_FILE
     tok = load_tokenizer(tok_path)
 
     def load():
-        return data.load_token_splits(corpus_for(cfg), tok, tok_path, run_dir, 0.1)
+        return data.load_token_splits(corpus_for(cfg.data), tok, tok_path, run_dir, 0.1)
 
     monkeypatch.setattr(data, "is_primary", lambda: False)
     monkeypatch.setenv("TINYLLM_WAIT_TIMEOUT_S", "1")
     with pytest.raises(UsageError, match="for process 0 to write the cache"):
         load()
-    assert not (run_dir / data.CACHE_DIR).exists()  # nothing written by a non-zero process
+    assert not (run_dir / TOKENS_DIR).exists()  # nothing written by a non-zero process
 
     def process_0_writes():  # in the order _build_cache does: tokens, then meta.json
-        (run_dir / data.CACHE_DIR).mkdir()
-        shutil.copy(built / "tokens.bin", run_dir / data.CACHE_DIR / "tokens.bin")
-        shutil.copy(built / "meta.json", run_dir / data.CACHE_DIR / "meta.json")
+        (run_dir / TOKENS_DIR).mkdir()
+        shutil.copy(built / "tokens.bin", run_dir / TOKENS_DIR / "tokens.bin")
+        shutil.copy(built / "meta.json", run_dir / TOKENS_DIR / "meta.json")
 
     monkeypatch.setenv("TINYLLM_WAIT_TIMEOUT_S", "60")
     writer = threading.Timer(0.5, process_0_writes)

@@ -1,4 +1,4 @@
-"""Sampling's program cache (model/program_cache.py): what a warm start reads instead of
+"""Sampling's program cache (model/decoding/program_cache.py): what a warm start reads instead of
 tracing and compiling gives the same tokens; a damaged, stale or foreign entry is never used
 and is built again; an executable JAX read from its own disk cache is never kept."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import generate, program_cache
-from model.generate import compile_programs, generate_all
-from model.program_cache import ProgramCache
-from model.quant_checkpoint import load_float_model
-from model.train import run_train
+from model.decoding import program_cache
+from model.decoding import programs as decode_programs
+from model.decoding.generate import generate_all
+from model.decoding.program_cache import ProgramCache
+from model.decoding.programs import compile_programs
+from model.rundir.trained import load_float_model
+from model.train_stage import run_train
 from tests.tiny_models import tiny_model
 from tests.tiny_runs import ROOT, TINY_TRAIN, tiny_run_config, write_word_corpus
 from tokenizer.stage import run_tokenize
@@ -59,13 +62,13 @@ def compiles(monkeypatch) -> list[int]:
     """Grows by one each time compile_programs compiles (rather than reading the cache). Within
     one process JAX's in-memory caches may make a compile quick, so count the calls."""
     calls = []
-    original = generate._compile
+    original = decode_programs._compile
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(generate, "_compile", counted)
+    monkeypatch.setattr(decode_programs, "_compile", counted)
     return calls
 
 
@@ -153,15 +156,31 @@ def test_an_entry_of_another_environment_is_not_used(model, tmp_path, compiles, 
     assert len(entries(tmp_path)) == 2
 
 
-def test_the_key_follows_every_source_file_of_the_model_package(tmp_path, monkeypatch):
+def test_an_edit_in_any_subpackage_of_the_model_is_a_rebuild(
+    model, tmp_path, compiles, monkeypatch
+):
+    """The key covers every module of the model package, subpackages included: after an edit
+    of one (in a copy of the package), the kept programs are not used but compiled again."""
     package = tmp_path / "model"
-    package.mkdir()
-    for name in ("gpt.py", "attention.py", "program_cache.py"):
-        (package / name).write_text(f"# {name}\n")
-    monkeypatch.setattr(program_cache, "__file__", str(package / "program_cache.py"))
-    before = program_cache._package_source_sha256()
-    (package / "attention.py").write_text("# attention.py, edited\n")
-    assert program_cache._package_source_sha256() != before
+    shutil.copytree(
+        program_cache.MODEL_PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    monkeypatch.setattr(program_cache, "MODEL_PACKAGE", package)
+    program_cache.environment.cache_clear()
+    try:
+        cache = ProgramCache(tmp_path / "programs")
+        compile_programs(model, cache=cache, **SETTINGS)
+        compile_programs(model, cache=cache, **SETTINGS)
+        assert len(compiles) == 1  # the second call read what the first kept
+        attention = package / "network" / "attention.py"
+        attention.write_text(attention.read_text() + "\n# edited\n")
+        program_cache.environment.cache_clear()
+        compile_programs(model, cache=cache, **SETTINGS)
+        assert len(compiles) == 2
+        assert len(entries(tmp_path / "programs")) == 2
+    finally:
+        monkeypatch.undo()
+        program_cache.environment.cache_clear()
 
 
 def test_oldest_entries_beyond_the_limit_are_removed(tmp_path, monkeypatch):
@@ -191,17 +210,19 @@ import jax
 if sys.argv[1]:
     jax.config.update("jax_compilation_cache_dir", sys.argv[1])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-from model import generate
-from model.generate import compile_programs, generate_all
+from model.decoding import programs
+from model.decoding.generate import generate_all
 if sys.argv[3:] == ["keep-anyway"]:  # as if the guard against JAX's cache were missing
-    compile_ = generate._compile
-    generate._compile = lambda *args: (compile_(*args)[0], False)
-from model.program_cache import ProgramCache
+    compile_ = programs._compile
+    programs._compile = lambda *args: (compile_(*args)[0], False)
+from model.decoding.program_cache import ProgramCache
 from tests.tiny_models import tiny_model
 model = tiny_model(seed=4, block_size=16, n_layer=1, position="rope", n_embd=48)
-programs = compile_programs(model, cache=ProgramCache(sys.argv[2]), num_samples=2, chunk_size=4)
+compiled = programs.compile_programs(
+    model, cache=ProgramCache(sys.argv[2]), num_samples=2, chunk_size=4
+)
 out = generate_all(model, [5, 17, 42], max_new_tokens=40, temperature=1.0, seed=1,
-                   num_samples=2, chunk_size=4, programs=programs)
+                   num_samples=2, chunk_size=4, programs=compiled)
 print(json.dumps(out.tolist()))
 """
 

@@ -13,8 +13,13 @@ import pytest
 from flax import nnx
 
 import tinyllm
-from model.metrics import read_metrics
-from model.quant import (
+from model.quantization.checkpoint import (
+    linear_weight_bytes,
+    load_quantized_model,
+    read_quantized,
+    write_quantized,
+)
+from model.quantization.kernels import (
     dequantize,
     fake_quant,
     fake_quant_tree,
@@ -24,18 +29,14 @@ from model.quant import (
     quantize_int8_per_channel,
     unpack_int4,
 )
-from model.quant_checkpoint import (
-    QUANT_FILE,
-    linear_weight_bytes,
-    load_quantized_model,
-    read_quantized,
-    restore_float_params,
-    write_quantized,
-)
-from model.train import cross_entropy, run_train
+from model.rundir.layout import QUANT_FILE
+from model.rundir.trained import restore_float_params
+from model.train_stage import run_train
+from model.training.metrics import read_metrics
+from model.training.trainer import cross_entropy
+from plumbing.errors import UsageError
 from tests.tiny_models import forward, random_tokens, tiny_model
 from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
-from tokenizer.errors import UsageError
 from tokenizer.stage import run_tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -364,7 +365,7 @@ class _RunsCode:
 
 @pytest.fixture(scope="module")
 def q8_run(tmp_path_factory, trained_run):
-    from model.quant_checkpoint import quantize_run
+    from model.quantization.export import quantize_run
 
     return quantize_run(trained_run, 8, out_dir=tmp_path_factory.mktemp("q") / "q8")
 
@@ -473,7 +474,7 @@ def test_quantized_run_directory_gets_the_umask(q8_run):
     import os
     import stat
 
-    from tokenizer.atomic import current_umask
+    from plumbing.atomic import current_umask
 
     assert stat.S_IMODE(os.stat(q8_run).st_mode) == 0o777 & ~current_umask()  # not mkdtemp's 0700
     for name in ("config.json", QUANT_FILE, "tokenizer.pkl"):

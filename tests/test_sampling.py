@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.sampling import check_sampling, filter_logits, sample_logits, sampling_params
-from tokenizer.errors import UsageError
+from model.decoding.sampling import check_sampling, filter_logits, sample_logits, sampling_params
+from plumbing.errors import UsageError
 
 _filter = jax.jit(filter_logits)
 _sample = jax.jit(sample_logits)

@@ -7,8 +7,9 @@ import pickle
 
 import pytest
 
+from plumbing.errors import UsageError
 from tests.tokenizer_helpers import EOT, data_file, gpt2_tokenizer
-from tokenizer import BPETokenizer, CharTokenizer, UsageError, load_tokenizer
+from tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 
 
 def trained_bpe() -> BPETokenizer:

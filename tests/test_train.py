@@ -10,11 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.checkpoint import Checkpoints
-from model.metrics import read_metrics
-from model.train import Trainer, model_config_for, run_train
+from model.rundir.checkpoints import Checkpoints
+from model.train_stage import run_train
+from model.training.errors import TrainingDiverged
+from model.training.metrics import read_metrics
+from model.training.trainer import Trainer
+from plumbing.errors import UsageError
 from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
-from tokenizer.errors import TrainingDiverged, UsageError
 from tokenizer.stage import run_tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,13 +73,13 @@ def test_outputs_and_metrics_fields(tmp_path, corpus_file):
 
 def test_train_step_compiles_once(tmp_path, corpus_file):
     cfg, run_dir = tokenized_run(tmp_path, corpus_file, "train.grad_accum=2")
-    from model.data import load_token_splits
+    from model.training.data import load_token_splits
     from tokenizer import load_tokenizer
-    from tokenizer.stage import corpus_for
+    from tokenizer.corpus import corpus_for
 
     tok = load_tokenizer(run_dir / "tokenizer.pkl")
-    splits = load_token_splits(corpus_for(cfg), tok, run_dir / "tokenizer.pkl", run_dir, 0.1)
-    trainer = Trainer(cfg, model_config_for(cfg, tok.vocab_size))
+    splits = load_token_splits(corpus_for(cfg.data), tok, run_dir / "tokenizer.pkl", run_dir, 0.1)
+    trainer = Trainer(cfg.train, cfg.model.for_vocab(tok.vocab_size))
     for step in range(5):
         x, y = trainer.batch(splits.train, step)
         trainer.params, trainer.opt_state, metrics = trainer.train_step(
@@ -116,7 +118,7 @@ def test_resume_with_a_different_model_is_refused(tmp_path, corpus_file):
 
 
 def test_token_cache_is_rebuilt_when_the_corpus_changes(tmp_path, corpus_file):
-    from model.data import load_token_splits
+    from model.training.data import load_token_splits
     from tokenizer import load_tokenizer
     from tokenizer.corpus import file_corpus
 
@@ -185,7 +187,7 @@ def test_cross_entropy_matches_optax_in_value_and_gradient():
     import jax
     import optax
 
-    from model.train import cross_entropy
+    from model.training.trainer import cross_entropy
 
     k1, k2 = jax.random.split(jax.random.key(0))
     logits = 4.0 * jax.random.normal(k1, (3, 7, 65))
@@ -201,7 +203,7 @@ def test_cross_entropy_matches_optax_in_value_and_gradient():
 
 
 def test_cpu_device_count_divides_the_micro_batch():
-    from model.cpu_devices import cpu_device_count
+    from model.processes.cpu_devices import cpu_device_count
 
     assert cpu_device_count(0, micro_batch=12, cores=2) == 2
     assert cpu_device_count(0, micro_batch=12, cores=8) == 6
@@ -212,7 +214,7 @@ def test_cpu_device_count_divides_the_micro_batch():
 
 
 def test_configure_cpu_devices_leaves_a_users_count_alone(monkeypatch):
-    from model.cpu_devices import configure_cpu_devices
+    from model.processes.cpu_devices import configure_cpu_devices
 
     mine = "--xla_force_host_platform_device_count=4"
     monkeypatch.setenv("XLA_FLAGS", mine)
@@ -262,7 +264,7 @@ def test_evaluate_windows_scores_every_window_once():
     """The whole-split score is the mean loss over the consecutive block_size windows."""
     import jax.numpy as jnp
 
-    from model.train import cross_entropy, evaluate_windows
+    from model.training.trainer import cross_entropy, evaluate_windows
     from tests.tiny_models import tiny_model
 
     model = tiny_model()
@@ -283,7 +285,7 @@ def test_host_checksums_equal_the_device_ones(monkeypatch, dtype):
     import jax
     import jax.numpy as jnp
 
-    from model import checkpoint
+    from model.rundir import checkpoints as checkpoint
 
     monkeypatch.setattr(checkpoint, "_HOST_BLOCK", 1000)  # a leaf of several blocks
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""The compiled BPE merge loop (tokenizer._train_core) against the Python reference loop.
+"""The C BPE merge loop (tokenizer._train_core) against the Python reference loop.
 
 Both must learn the same merges on every input: real text, generated dicts with ties,
 overlapping pairs ("aaaa") and non-ASCII, and the edge cases (empty and one-byte chunks,
@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from plumbing.progress import ProgressBar
 from tests.tokenizer_helpers import data_file, use_merge_loop
 from tokenizer import bpe_train
 from tokenizer import pretokenize as pretok
-from tokenizer.progress import ProgressBar
 
 requires_core = pytest.mark.skipif(
     bpe_train._train_core is None,
@@ -32,7 +32,7 @@ def python_merges(counts, num_merges):
     return bpe_train._train_merges_python(counts, num_merges, ProgressBar(1, enabled=False))
 
 
-def compiled_merges(counts, num_merges, progress=None):
+def c_merges(counts, num_merges, progress=None):
     return bpe_train._train_core.train_merges(counts, num_merges, progress)
 
 
@@ -49,12 +49,12 @@ def test_train_merges_runs_the_compiled_loop_unless_switched_off(monkeypatch):
 
     monkeypatch.setattr(bpe_train, "_train_core", Spy)
     counts = {"low": 5, "lower": 2, "newest": 6, "widest": 3}
-    use_merge_loop(monkeypatch, "compiled")
-    compiled = bpe_train.train_merges(counts, 10)
+    use_merge_loop(monkeypatch, "c_core")
+    in_c = bpe_train.train_merges(counts, 10)
     assert len(calls) == 1
     use_merge_loop(monkeypatch, "python")
-    assert not bpe_train.compiled_merge_loop()
-    assert bpe_train.train_merges(counts, 10) == compiled
+    assert not bpe_train.c_merge_loop()
+    assert bpe_train.train_merges(counts, 10) == in_c
     assert len(calls) == 1
 
 
@@ -62,7 +62,7 @@ def test_train_merges_runs_the_compiled_loop_unless_switched_off(monkeypatch):
 def test_tiny_shakespeare_vocab_8192_equals_python():
     text = data_file("tinyshakespeare.txt").read_text(encoding="utf-8")
     counts = pretok.count_chunks(text, "gpt2")
-    merges = compiled_merges(counts, 8192 - 256)
+    merges = c_merges(counts, 8192 - 256)
     # The corpus runs out of pairs before 8192: all of them are learned, on both loops.
     assert 7000 < len(merges) <= 8192 - 256
     assert merges == python_merges(counts, 8192 - 256)
@@ -82,7 +82,7 @@ chunk_counts = st.dictionaries(
 @settings(max_examples=300, deadline=None)
 @given(chunk_counts, st.integers(min_value=-2, max_value=80))
 def test_generated_counts_equal_python(counts, num_merges):
-    assert compiled_merges(counts, num_merges) == python_merges(counts, num_merges)
+    assert c_merges(counts, num_merges) == python_merges(counts, num_merges)
 
 
 @requires_core
@@ -95,7 +95,7 @@ def test_random_words_equal_python(seed):
     counts = Counter(
         "".join(rng.choice(letters) for _ in range(rng.randint(1, 16))) for _ in range(400)
     )
-    assert compiled_merges(counts, 300) == python_merges(counts, 300)
+    assert c_merges(counts, 300) == python_merges(counts, 300)
 
 
 @requires_core
@@ -113,7 +113,7 @@ def test_random_words_equal_python(seed):
     ],
 )
 def test_edge_inputs_equal_python(counts, num_merges):
-    assert compiled_merges(counts, num_merges) == python_merges(counts, num_merges)
+    assert c_merges(counts, num_merges) == python_merges(counts, num_merges)
 
 
 class Word(str):
@@ -138,11 +138,11 @@ class Count(int):
     ],
 )
 def test_inputs_beyond_the_compiled_loop_go_to_python(counts, monkeypatch):
-    # The compiled loop declines (None) and train_merges gives the Python loop's answer or
+    # The C merge loop declines (None) and train_merges gives the Python loop's answer or
     # error: counts beyond int64 sums, non-int counts, non-str or unencodable chunks, and
     # subclasses of str and int.
-    assert compiled_merges(counts, 5) is None
-    use_merge_loop(monkeypatch, "compiled")
+    assert c_merges(counts, 5) is None
+    use_merge_loop(monkeypatch, "c_core")
     try:
         expected = python_merges(counts, 5)
     except Exception as exc:
@@ -157,7 +157,7 @@ def test_progress_reports_every_merge_and_errors_propagate():
     rng = random.Random(0)
     counts = Counter("".join(rng.choice("abcdefgh") for _ in range(8)) for _ in range(3000))
     done = []
-    merges = compiled_merges(counts, 1000, done.append)
+    merges = c_merges(counts, 1000, done.append)
     assert len(merges) == 1000 and sum(done) == 1000 and len(done) > 1
 
     class Stop(Exception):
@@ -167,7 +167,7 @@ def test_progress_reports_every_merge_and_errors_propagate():
         raise Stop
 
     with pytest.raises(Stop):
-        compiled_merges(counts, 1000, stop)
+        c_merges(counts, 1000, stop)
 
 
 @requires_core
@@ -175,9 +175,9 @@ def test_a_million_chunks():
     letters = "abcdefghijklmnopqrstuvwxyz\u00e9"
     words = chain(product(letters, repeat=4), product(letters, repeat=5))
     counts = {" " + "".join(w): i % 7 + 1 for i, w in enumerate(islice(words, 1_000_000))}
-    merges = compiled_merges(counts, 50)
+    merges = c_merges(counts, 50)
     assert len(merges) == 50
-    assert compiled_merges(dict(reversed(counts.items())), 50) == merges
+    assert c_merges(dict(reversed(counts.items())), 50) == merges
     # The first merge is the most frequent byte pair, ties to the greater bytes.
     data = np.frombuffer("".join(counts).encode(), dtype=np.uint8).astype(np.int64)
     lengths = np.array([len(c.encode()) for c in counts])
@@ -198,6 +198,6 @@ def test_threads_train_independently():
         Counter("".join(rng.choices(letters, k=rng.randint(2, 12))) for _ in range(20_000))
         for letters in ["abcdef", "ab", "xyz\u00e9", "aaab"]
     ]
-    sequential = [compiled_merges(d, 500) for d in dicts]
+    sequential = [c_merges(d, 500) for d in dicts]
     with ThreadPoolExecutor(len(dicts)) as pool:
-        assert list(pool.map(lambda d: compiled_merges(d, 500), dicts)) == sequential
+        assert list(pool.map(lambda d: c_merges(d, 500), dicts)) == sequential

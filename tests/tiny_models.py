@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.config import ModelConfig
-from model.gpt import GPT
+from model.network.config import ModelConfig
+from model.network.gpt import GPT
 
 TINY = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

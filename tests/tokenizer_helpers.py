@@ -17,7 +17,7 @@ from unittest import mock
 
 import pytest
 
-from tokenizer import BPETokenizer, bpe_train, compiled
+from tokenizer import BPETokenizer, bpe_train, c_core
 from tokenizer.gpt2_files import decode_token
 from tokenizer.pretokenize import PATTERNS
 
@@ -35,14 +35,14 @@ def data_file(*parts: str) -> Path:
 
 
 def use_merge_loop(monkeypatch: pytest.MonkeyPatch, loop: str) -> None:
-    """Make `train_merges` run the "compiled" or the "python" merge loop (skip if not built)."""
+    """Make `train_merges` run the "c_core" or the "python" merge loop (skip if not built)."""
     if loop == "python":
         monkeypatch.setenv("TINYLLM_PURE_PYTHON", "1")
         return
     if bpe_train._train_core is None:
         pytest.skip("tokenizer._train_core is not built (no C compiler at install time)")
     monkeypatch.delenv("TINYLLM_PURE_PYTHON", raising=False)
-    assert bpe_train.compiled_merge_loop()
+    assert bpe_train.c_merge_loop()
 
 
 def gpt2_paths() -> tuple[Path, Path]:
@@ -58,16 +58,16 @@ def gpt2_paths() -> tuple[Path, Path]:
 
 
 # The two encoding paths every exactness test runs on.
-PATHS = ["compiled", "python"]
+PATHS = ["c_core", "python"]
 
 
 @contextmanager
 def encode_path(path: str) -> Iterator[None]:
-    """Tokenizers built inside use the compiled core ("compiled", skipped when it was not
+    """Tokenizers built inside use the C core ("c_core", skipped when it was not
     built) or the pure-Python path ("python", as TINYLLM_PURE_PYTHON=1 forces it)."""
-    if path == "compiled" and not compiled.built():
-        pytest.skip("the compiled core was not built (no C compiler at install time)")
-    with mock.patch.dict(os.environ, {compiled.PURE_PYTHON_ENV: "1" if path == "python" else ""}):
+    if path == "c_core" and not c_core.built():
+        pytest.skip("the C core was not built (no C compiler at install time)")
+    with mock.patch.dict(os.environ, {c_core.PURE_PYTHON_ENV: "1" if path == "python" else ""}):
         yield
 
 
@@ -81,7 +81,7 @@ def each_path(request) -> Iterator[str]:
 def gpt2_tokenizer(with_eot: bool = True) -> BPETokenizer:
     """GPT-2 loaded with our loader, on the path the environment selects (shared across
     tests: loading costs ~0.3 s)."""
-    return _gpt2_tokenizer(with_eot, compiled.forced_pure_python() or not compiled.built())
+    return _gpt2_tokenizer(with_eot, c_core.forced_pure_python() or not c_core.built())
 
 
 @cache

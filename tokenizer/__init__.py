@@ -1,7 +1,7 @@
 """tinyllm's tokenizers: byte-level BPE (trainable, or GPT-2's), character-level, persistence.
 
-BPE's hot loops run in an optional compiled core (`tokenizer.compiled`) when `pip install`
-could build it; TINYLLM_PURE_PYTHON=1 forces the pure-Python modules (same results).
+BPE's hot loops run in an optional C core (`tokenizer.c_core`) when `pip install` could build
+it; TINYLLM_PURE_PYTHON=1 forces the pure-Python modules (same results).
 
 >>> from tokenizer import BPETokenizer
 >>> tok = BPETokenizer.train("hello hello world", vocab_size=260)
@@ -9,10 +9,21 @@ could build it; TINYLLM_PURE_PYTHON=1 forces the pure-Python modules (same resul
 True
 """
 
-from tokenizer.base import Tokenizer
-from tokenizer.bpe import BPETokenizer
-from tokenizer.char import CharTokenizer
-from tokenizer.errors import UsageError
-from tokenizer.io import load_tokenizer
+# Exports load on first use: importing a submodule (tokenizer.config, which every config load
+# needs) pulls in neither numpy, regex nor the C core.
+_EXPORTS = {
+    "BPETokenizer": "tokenizer.bpe",
+    "CharTokenizer": "tokenizer.char",
+    "Tokenizer": "tokenizer.base",
+    "load_tokenizer": "tokenizer.io",
+}
 
-__all__ = ["BPETokenizer", "CharTokenizer", "Tokenizer", "UsageError", "load_tokenizer"]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tokenizer' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

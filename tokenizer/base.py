@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Self
 
-from tokenizer.errors import UsageError
+from plumbing.errors import UsageError
 from tokenizer.pretokenize import compile_specials, iter_safe_pieces, split_specials
 
 # encode_iterable encodes once it holds this many characters (and finds a safe cut).

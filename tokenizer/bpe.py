@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import chain, pairwise
 from typing import Any, Self
 
-from tokenizer import compiled
+from plumbing.errors import UsageError
+from tokenizer import c_core
 from tokenizer.base import Tokenizer, normalize_specials
 from tokenizer.bpe_train import train_merges
-from tokenizer.errors import UsageError
 from tokenizer.gpt2_files import read_gpt2_files, read_tiktoken_file, write_gpt2_files
 from tokenizer.pretokenize import compile_pattern, count_chunks
 
@@ -40,8 +40,8 @@ class BPETokenizer(Tokenizer):
     `merges` lists the merged pairs by rank (lowest rank merges first when encoding);
     `special_tokens` maps special-token text to id.
 
-    With the gpt2 or gpt4 pattern, encoding runs in the compiled core when it was built
-    (`tokenizer.compiled`; the environment variable TINYLLM_PURE_PYTHON=1 forces this
+    With the gpt2 or gpt4 pattern, encoding runs in the C core when it was built
+    (`tokenizer.c_core`; the environment variable TINYLLM_PURE_PYTHON=1 forces this
     module's pure-Python code, which gives the same ids).
     """
 
@@ -79,9 +79,9 @@ class BPETokenizer(Tokenizer):
                 f"inconsistent BPE tokenizer: tokens {missing[:3]} are not in the vocab"
             )
         self._cache = _ChunkCache(self._encode_chunk)
-        self._core = compiled.core_for(self.pattern)  # None: the pure-Python path
-        self._core_merges = self._compiled_merges()
-        self._local = threading.local()  # per thread: its compiled Encoder (own chunk cache)
+        self._core = c_core.core_for(self.pattern)  # None: the pure-Python path
+        self._core_merges = self._c_core_merges()
+        self._local = threading.local()  # per thread: its C Encoder (own chunk cache)
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -167,12 +167,12 @@ class BPETokenizer(Tokenizer):
 
     # --- encoding ---------------------------------------------------------------------------
     @property
-    def compiled(self) -> bool:
-        """Whether this tokenizer encodes with the compiled core (see `tokenizer.compiled`)."""
+    def uses_c_core(self) -> bool:
+        """Whether this tokenizer encodes with the C core (see `tokenizer.c_core`)."""
         return self._core_merges is not None
 
-    def _compiled_merges(self):
-        """The merge table in the compiled core's form, or None for the pure-Python path."""
+    def _c_core_merges(self):
+        """The merge table in the C core's form, or None for the pure-Python path."""
         core = self._core
         if core is None:
             return None
@@ -181,7 +181,7 @@ class BPETokenizer(Tokenizer):
         triples = array("I")
         for a, b in self.merges:
             triples.extend((id_of[a], id_of[b], id_of[a + b]))
-        return core.Merges(compiled.PATTERN_IDS[self.pattern], byte_ids, triples)
+        return core.Merges(c_core.PATTERN_IDS[self.pattern], byte_ids, triples)
 
     def _encoder(self):
         encoder = getattr(self._local, "encoder", None)
@@ -190,7 +190,7 @@ class BPETokenizer(Tokenizer):
         return encoder
 
     def _encode_ordinary_array(self, text: str) -> array:
-        """Ids of ordinary text as an array('I') (compiled path: no Python int per token)."""
+        """Ids of ordinary text as an array('I') (C-core path: no Python int per token)."""
         out = array("I")
         if self._core_merges is None:
             out.extend(self.encode_ordinary(text))
@@ -198,12 +198,12 @@ class BPETokenizer(Tokenizer):
         encoder = self._encoder()
         ids = encoder.encode(text)
         if ids is None:  # surrogates: replace them as the Python path does
-            ids = encoder.encode(compiled.replace_surrogates(text))
+            ids = encoder.encode(c_core.replace_surrogates(text))
         out.frombytes(ids)
         return out
 
     def encode_array(self, text: str) -> array:
-        """`array("I", encode(text))`, built without a Python int per token on the compiled
+        """`array("I", encode(text))`, built without a Python int per token on the C-core
         path. The C work releases the GIL, so threads encode in parallel.
 
         >>> tok = BPETokenizer.train("aaab" * 10, vocab_size=258, special_tokens=["<s>"])
@@ -215,10 +215,10 @@ class BPETokenizer(Tokenizer):
         return self._encode_around_specials(text, self._encode_ordinary_array, array("I"))
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """`[encode(t) for t in texts]`; on the compiled path, on a thread per core."""
+        """`[encode(t) for t in texts]`; on the C-core path, on a thread per core."""
         if self._core_merges is None or len(texts) < 2:
             return super().encode_batch(texts)
-        workers = min(len(texts), compiled.worker_count())
+        workers = min(len(texts), c_core.worker_count())
         with ThreadPoolExecutor(workers) as pool:
             return list(pool.map(self.encode, texts))
 
@@ -231,7 +231,7 @@ class BPETokenizer(Tokenizer):
         """
         if self._core_merges is not None:
             return self._encode_ordinary_array(text).tolist()
-        text = compiled.replace_surrogates(text)
+        text = c_core.replace_surrogates(text)
         # findall (one C call) beats finditer; the cache computes a missing chunk itself
         # (__missing__), so the lookups and the flattening all run in C.
         chunks = self._split_re.findall(text)

@@ -22,7 +22,7 @@ import os
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 
-from tokenizer.progress import ProgressBar
+from plumbing.progress import ProgressBar
 
 try:
     from tokenizer import _train_core
@@ -50,8 +50,8 @@ def _descending_key(token: bytes) -> str:
     return token.translate(_REVERSED_BYTES).decode("latin-1") + "\u0100"
 
 
-def compiled_merge_loop() -> bool:
-    """True when `train_merges` runs the compiled loop (built, and not switched off)."""
+def c_merge_loop() -> bool:
+    """True when `train_merges` runs the C merge loop (built, and not switched off)."""
     return _train_core is not None and os.environ.get("TINYLLM_PURE_PYTHON") != "1"
 
 
@@ -65,10 +65,10 @@ def train_merges(
     """
     bar = ProgressBar(num_merges, desc="BPE merges", enabled=progress)
     merges = None
-    if compiled_merge_loop():
+    if c_merge_loop():
         plain = type(chunk_counts) in (dict, Counter)
         counts = chunk_counts if plain else dict(chunk_counts.items())  # what Python iterates
-        # None: an input the compiled loop does not take (e.g. counts beyond int64); it has
+        # None: an input the C merge loop does not take (e.g. counts beyond int64); it has
         # not touched the bar then.
         merges = _train_core.train_merges(counts, num_merges, bar.update if progress else None)
     if merges is None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Self
 
+from plumbing.errors import UsageError
 from tokenizer.base import Tokenizer, normalize_specials
-from tokenizer.errors import UsageError
 from tokenizer.pretokenize import compile_specials, iter_safe_pieces, split_specials
 
 

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizer.errors import UsageError
+from plumbing.errors import UsageError
+from tokenizer.config import DataConfig
 
 PIECE_BYTES = 1 << 20  # files are read in 1 MiB pieces, cut after a newline
 
@@ -45,6 +46,11 @@ class Corpus:
         if not text:
             raise UsageError(f"the corpus {self.name} is empty: give a file with some text")
         return text
+
+
+def corpus_for(data: DataConfig) -> Corpus:
+    """The corpus a run's `[data]` section names."""
+    return load_corpus(data.input, data.dataset, data.dataset_config, data.split, data.text_field)
 
 
 def load_corpus(

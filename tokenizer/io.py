@@ -22,13 +22,14 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from tokenizer.atomic import write_atomic
+from plumbing.atomic import write_atomic
+from plumbing.errors import UsageError
 from tokenizer.base import MAX_VOCAB_SIZE, Tokenizer
-from tokenizer.errors import UsageError
 from tokenizer.pretokenize import PATTERNS
 
 FORMAT = "tinyllm-tokenizer"
 VERSION = 1
+TOKENIZER_FILE = "tokenizer.pkl"  # its name in a run directory (model/rundir/layout.py)
 
 
 def save_params(path: str | os.PathLike, kind: str, params: dict[str, Any]) -> None:

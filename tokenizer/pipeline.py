@@ -1,7 +1,7 @@
 """Corpus-scale work on every core: counting chunks (training) and encoding to a token file.
 
 A corpus streams through `iter_safe_pieces` (cut only where no chunk or special token can
-straddle), and the pieces go to a thread pool: the compiled core releases the GIL, so the
+straddle), and the pieces go to a thread pool: the C core releases the GIL, so the
 threads run in parallel. At most `2 x workers` pieces are in flight, and results are taken in
 submission order, so the ids equal those of encoding the whole text at once, and memory is
 bounded by the unique chunks (the counts, the per-thread chunk caches), not by the corpus.
@@ -26,7 +26,7 @@ from typing import IO, TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from tokenizer import compiled, pretokenize
+from tokenizer import c_core, pretokenize
 from tokenizer.pretokenize import _slices, iter_safe_pieces, split_specials
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def ordered_map(
 # --- training: chunk counts ----------------------------------------------------------------
 
 
-def count_chunks_compiled(
+def count_chunks_c_core(
     core: ModuleType,
     pattern_id: int,
     parts: Iterable[str],
@@ -107,12 +107,12 @@ def count_chunks_compiled(
     workers: int | None = None,
     progress: bool = False,
 ) -> Counter[str]:
-    """chunk -> count over a stream of text, counted by the compiled core on every core.
+    """chunk -> count over a stream of text, counted by the C core on every core.
 
     Each thread owns a `ChunkCounter` (a C hash map of chunk bytes -> count); they are merged
     at the end, and only then is one Python str made per unique chunk.
     """
-    workers = workers or compiled.worker_count()
+    workers = workers or c_core.worker_count()
     counters: list = [core.ChunkCounter(pattern_id) for _ in range(workers)]
     free = list(counters)  # counters not in use; list.pop/append are atomic under the GIL
 
@@ -121,7 +121,7 @@ def count_chunks_compiled(
         try:
             for i, segment in enumerate(split_specials(piece, specials_re)):
                 if i % 2 == 0 and segment and not counter.add(segment):
-                    counter.add(compiled.replace_surrogates(segment))
+                    counter.add(c_core.replace_surrogates(segment))
         finally:
             free.append(counter)
         return utf8_size(piece)
@@ -154,12 +154,12 @@ def encode_to_file(
     progress: bool = False,
 ) -> tuple[int, int]:
     """Write the ids of "".join(parts) to `out` as `dtype` (uint16/uint32); returns
-    (tokens, characters). Threads on the compiled path, one thread otherwise; any tokenizer
+    (tokens, characters). Threads on the C-core path, one thread otherwise; any tokenizer
     (char, BPE on a user's pattern) works through its `encode`."""
     specials_re = getattr(tokenizer, "_specials_re", None)
     max_special_len = getattr(tokenizer, "_max_special_len", 0)
-    if getattr(tokenizer, "compiled", False):
-        encode, workers = tokenizer.encode_array, workers or compiled.worker_count()
+    if getattr(tokenizer, "uses_c_core", False):
+        encode, workers = tokenizer.encode_array, workers or c_core.worker_count()
     else:
         encode, workers = tokenizer.encode, 1
     pieces = iter_safe_pieces(

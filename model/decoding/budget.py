@@ -1,0 +1,63 @@
+"""Memory for decoding: refuse, before anything is allocated, a sample count that cannot fit.
+
+>>> from model.network.config import ModelConfig
+>>> cfg = ModelConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32)
+>>> check_memory(cfg, num_samples=1, use_cache=True, available=1 << 30)  # fits: no error
+"""
+
+from __future__ import annotations
+
+import jax
+
+from model.decoding.steps import window_size
+from model.network.config import ModelConfig
+from plumbing.errors import UsageError
+from plumbing.memory import available_bytes
+
+MEMORY_SHARE = 0.8  # of the memory available, the most a generation may plan to use
+
+
+def decode_bytes_per_sample(cfg: ModelConfig, use_cache: bool) -> int:
+    """A generous estimate of the memory one sample of a batch needs while decoding.
+
+    Counted: the KV cache (twice: a step may hold the old and the new copy), the context
+    buffer, the logits and the sampling filters' work arrays over the vocabulary, and the
+    activations of a refill (cached) or of a full forward (uncached: attention scores too).
+    """
+    s, d, h, v = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    item = 2 if cfg.dtype == "bfloat16" else 4
+    hidden = max(4 * d, cfg.moe_hidden * max(cfg.moe_top_k, 1))
+    total = 8 * s + 8 * v * 4  # context buffers; logits, sort, softmax, cumsum, scatter
+    if use_cache:
+        total += 2 * (2 * cfg.n_layer * s * d * item)  # k and v per layer, old + new copy
+        w = window_size(s)
+        total += w * (3 * d + hidden + 2 * d) * 4 + 2 * h * w * s * 4  # one refill's work
+    else:
+        total += s * (3 * d + hidden + 2 * d) * 4 + 2 * h * s * s * 4  # full forward
+    return total
+
+
+def check_memory(
+    cfg: ModelConfig, num_samples: int, use_cache: bool, available: int | None = None
+) -> None:
+    """Raise UsageError (one line) when num_samples would not fit in memory."""
+    if available is None:
+        available = available_bytes(jax.devices()[0])
+    if available is None:  # cannot be told: do not refuse
+        return
+    per_sample = decode_bytes_per_sample(cfg, use_cache)
+    budget = int(available * MEMORY_SHARE)
+    if num_samples * per_sample > budget:
+        raise UsageError(
+            f"num_samples={num_samples} needs about {_human(num_samples * per_sample)} for the "
+            f"KV caches and logits, more than the {_human(available)} of memory available: "
+            f"use at most {max(budget // per_sample, 0)} samples at once"
+        )
+
+
+def _human(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"  # unreachable

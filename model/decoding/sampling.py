@@ -1,0 +1,97 @@
+"""Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus).
+
+Pure functions. The sampling settings are arrays, not Python numbers, so they are traced under
+jit: a new temperature or top-k reuses the compiled decode loop instead of recompiling it.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> logits = jnp.array([[0.0, 3.0, 1.0]])
+    >>> params = sampling_params(temperature=0.0, top_k=0, top_p=1.0)
+    >>> sample_logits(logits, jax.random.key(0), *params).tolist()
+    [1]
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from plumbing.errors import UsageError
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """Raise UsageError (one line) for settings outside their ranges."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or (
+        temperature < 0
+    ):
+        raise UsageError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise UsageError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise UsageError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+
+
+def sampling_params(
+    temperature: float, top_k: int, top_p: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Validate and turn the settings into (float32, int32, float32) scalar arrays."""
+    check_sampling(temperature, top_k, top_p)
+    return (
+        jnp.asarray(temperature, jnp.float32),
+        jnp.asarray(top_k, jnp.int32),
+        jnp.asarray(top_p, jnp.float32),
+    )
+
+
+def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Set logits outside the top-k / top-p candidate set to a huge negative value.
+
+    top-k keeps exactly k tokens (ties broken towards the lower id); top-p then keeps the
+    smallest prefix of the remaining tokens, by descending probability, whose mass is >= p
+    (always at least one). top_k = 0 and top_p = 1 switch them off.
+    """
+    vocab = logits_BxV.shape[-1]
+    order_BxV = jnp.argsort(-logits_BxV, axis=-1, stable=True)  # token ids, best first
+    sorted_BxV = jnp.take_along_axis(logits_BxV, order_BxV, axis=-1)
+    rank_V = jnp.arange(vocab)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    sorted_BxV = jnp.where(rank_V[None, :] < k, sorted_BxV, _NEG)
+
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    keep_sorted_BxV = (rank_V[None, :] < k) & ((mass_before_BxV < top_p) | (rank_V[None, :] == 0))
+
+    # Scatter the keep-mask back from rank order to token order.
+    keep_BxV = (
+        jnp.zeros_like(keep_sorted_BxV)
+        .at[jnp.arange(logits_BxV.shape[0])[:, None], order_BxV]
+        .set(keep_sorted_BxV)
+    )
+    return jnp.where(keep_BxV, logits_BxV, _NEG)
+
+
+def sample_logits(
+    logits_BxV: jax.Array,
+    key: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> jax.Array:
+    """Next token ids [B] (int32). temperature 0 = argmax; otherwise softmax(logits / T)
+    restricted to the top-k / top-p set. The settings may be traced scalars."""
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    scaled_BxV = logits_BxV / jnp.maximum(temperature, 1e-6)
+    # The sort behind the filters costs O(V log V) per step: skip it when both are off.
+    filtered_BxV = jax.lax.cond(
+        (top_k > 0) | (top_p < 1.0),
+        lambda x: filter_logits(x, top_k, top_p),
+        lambda x: x,
+        scaled_BxV,
+    )
+    sampled_B = jax.random.categorical(key, filtered_BxV, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled_B, greedy_B)

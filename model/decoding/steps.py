@@ -1,0 +1,154 @@
+"""What the compiled decode programs run: the carry they hand each other, the refill of the KV
+cache, and a chunk of decode steps (against the cache, or the uncached reference).
+
+The carry, what one compiled call hands the next:
+    cache     KV cache (cached path only)
+    ctx       token ids [B, block_size] at positions 0..pos-1 (what the cache holds)
+    pos       number of tokens in the context (the pending token goes to position pos)
+    pending   [B] the last token, sampled (or the prompt's last) but not yet fed to the model
+    done      [B] whether each sample has emitted the stop token
+    step      index of the next new token (for fold_in)
+
+    >>> window_size(64), window_size(1)
+    (32, 1)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.decoding.sampling import sample_logits
+from model.network.gpt import GPT
+
+PAD_ID = -1  # what a stopped sample emits after its stop token
+
+
+def window_size(block_size: int) -> int:
+    """Tokens kept when the context is full (the newest included): block_size // 2, >= 1."""
+    return max(1, block_size // 2)
+
+
+def settings_of(seed, temperature, top_k, top_p, stop_token) -> dict:
+    """Plain numpy scalars: traced by the compiled programs, so nothing compiles eagerly for
+    them (the key is made from the seed inside the programs)."""
+    return {
+        "seed": np.int32(seed),
+        "temperature": np.float32(temperature),
+        "top_k": np.int32(top_k),
+        "top_p": np.float32(top_p),
+        "stop": np.int32(-1 if stop_token is None else stop_token),
+    }
+
+
+def start_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) -> dict:
+    # Committed to the device, like the compiled calls' outputs that later calls receive: an
+    # uncommitted first carry would make the same program compile twice (once mid-stream).
+    return jax.device_put(_host_carry(model, prompt, batch, use_cache), jax.devices()[0])
+
+
+def _host_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) -> dict:
+    size = model.cfg.block_size
+    ctx_S = np.zeros((size,), np.int32)
+    ctx_S[: len(prompt) - 1] = prompt[:-1]
+    carry = {
+        "ctx": np.broadcast_to(ctx_S, (batch, size)).copy(),
+        "pos": np.int32(len(prompt) - 1),
+        "pending": np.full((batch,), prompt[-1], np.int32),
+        "done": np.zeros((batch,), bool),
+        "step": np.int32(0),
+    }
+    if use_cache:
+        shape = (batch, size, model.cfg.n_head, model.cfg.head_dim)
+        dtype = model.cfg.compute_dtype
+        # Stale or zero slots are harmless: attention masks every slot past the query.
+        carry["cache"] = [
+            {"k": np.zeros(shape, dtype), "v": np.zeros(shape, dtype)}
+            for _ in range(model.cfg.n_layer)
+        ]
+    return carry
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=2)
+def refill(graphdef, state, carry: dict, shift, start, keep) -> dict:
+    """Roll ctx left by `shift`, then run ctx[start:start + window] at positions start.. into
+    the cache. Tokens past `keep` in the piece are padding: their slots are written too, but
+    masked by position and overwritten before any query can see them."""
+    model = nnx.merge(graphdef, state)
+    window = window_size(model.cfg.block_size)
+    ctx_BxS = jnp.roll(carry["ctx"], -shift, axis=1)
+    piece_BxW = jax.lax.dynamic_slice_in_dim(ctx_BxS, start, window, axis=1)
+    # Only the cache is used, so XLA drops the logits of the last position.
+    _, cache = model.decode(piece_BxW, carry["cache"], start, last_only=True)
+    return {**carry, "cache": cache, "ctx": ctx_BxS, "pos": keep}
+
+
+def _sample_step(logits_BxV: jax.Array, carry: dict, settings: dict) -> tuple[dict, jax.Array]:
+    """Sample the next token, update pending/done/step; return (carry, emitted token [B])."""
+    key = jax.random.fold_in(jax.random.key(settings["seed"]), carry["step"])
+    token_B = sample_logits(
+        logits_BxV, key, settings["temperature"], settings["top_k"], settings["top_p"]
+    )
+    emitted_B = jnp.where(carry["done"], PAD_ID, token_B)
+    carry = {
+        **carry,
+        "pending": token_B,
+        "done": carry["done"] | (token_B == settings["stop"]),
+        "step": carry["step"] + 1,
+    }
+    return carry, emitted_B
+
+
+def _run_steps(step, carry: dict, n_steps, chunk_size: int) -> tuple[dict, jax.Array]:
+    """n_steps (traced, <= chunk_size) calls of `step`; tokens [B, chunk_size], PAD past n."""
+    batch = carry["pending"].shape[0]
+
+    def body(i, state):
+        c, out_BxC = state
+        c, token_B = step(c)
+        return c, jax.lax.dynamic_update_slice(out_BxC, token_B[:, None], (0, i))
+
+    out_BxC = jnp.full((batch, chunk_size), PAD_ID, jnp.int32)
+    return jax.lax.fori_loop(0, n_steps, body, (carry, out_BxC))
+
+
+@partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",), donate_argnums=2)
+def cached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, chunk_size: int):
+    """n_steps decode steps against the cache; the host keeps pos + n_steps <= block_size."""
+    model = nnx.merge(graphdef, state)
+
+    def step(c):
+        logits_Bx1xV, cache = model.decode(c["pending"][:, None], c["cache"], c["pos"])
+        ctx = jax.lax.dynamic_update_slice(c["ctx"], c["pending"][:, None], (0, c["pos"]))
+        c = {**c, "cache": cache, "ctx": ctx, "pos": c["pos"] + 1}
+        return _sample_step(logits_Bx1xV[:, 0], c, settings)
+
+    return _run_steps(step, carry, n_steps, chunk_size)
+
+
+@partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",), donate_argnums=2)
+def uncached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, chunk_size: int):
+    """Reference steps: slide when full, append the pending token, full forward over ctx."""
+    model = nnx.merge(graphdef, state)
+    size = model.cfg.block_size
+    keep = window_size(size) - 1
+
+    def step(c):
+        full = c["pos"] == size
+        ctx = jnp.where(full, jnp.roll(c["ctx"], -(size - keep), axis=1), c["ctx"])
+        pos = jnp.where(full, keep, c["pos"])
+        ctx = jax.lax.dynamic_update_slice(ctx, c["pending"][:, None], (0, pos))
+        x_BxSxD = model.hidden_states(ctx)  # causal: positions after pos change nothing here
+        x_Bx1xD = jax.lax.dynamic_slice_in_dim(x_BxSxD, pos, 1, axis=1)
+        logits_BxV = model.unembed(x_Bx1xD)[:, 0]
+        return _sample_step(logits_BxV, {**c, "ctx": ctx, "pos": pos + 1}, settings)
+
+    return _run_steps(step, carry, n_steps, chunk_size)
+
+
+def chunk_program(use_cache: bool):
+    return cached_chunk if use_cache else uncached_chunk

@@ -1,0 +1,152 @@
+"""Hugging Face GPT-2 checkpoints in: a directory (or hub id) -> our tokenizer, config, weights.
+
+`--init-from DIR` samples GPT-2 itself (`load_hf_gpt2`) or fine-tunes it: `--train` saves its
+tokenizer as the run's (`save_hf_tokenizer`, after checking everything first), takes its shape
+(`hf_model_config`) and starts from its weights (`load_hf_params`). The format's mapping is
+model/interop/hf_format.py.
+
+    >>> tokenizer, model = load_hf_gpt2("models/gpt2")                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from model.interop.hf_format import (
+    CONFIG_JSON,
+    EOT,
+    MERGES_TXT,
+    VOCAB_JSON,
+    WEIGHTS,
+    check_tensor_shapes,
+    model_config_from_hf,
+    params_from_hf,
+    read_hf_config,
+    read_safetensors,
+    require_files,
+)
+from model.network.config import ModelConfig
+from model.network.gpt import GPT
+from model.network.params import abstract_model
+from model.rundir.layout import CONFIG_FILE, has_checkpoint, has_quantized_checkpoint
+from plumbing.errors import UsageError
+from tokenizer import BPETokenizer
+
+
+def resolve_hf_dir(name: str) -> Path:
+    """A local GPT-2 directory, or a hub id (`openai-community/gpt2`) fetched with
+    huggingface_hub into its cache when the network allows. UsageError otherwise."""
+    path = Path(os.path.expanduser(name))
+    if path.is_dir():
+        return path
+    looks_like_hub_id = (
+        name.count("/") <= 1
+        and not name.startswith((".", "/", "~"))
+        and not path.suffix
+        and all(part for part in name.split("/"))
+    )
+    if not looks_like_hub_id:
+        raise UsageError(
+            f"--init-from {name}: no such directory; give a Hugging Face GPT-2 checkpoint "
+            "directory (config.json, model.safetensors, vocab.json, merges.txt; "
+            "configs/finetune_gpt2.toml shows how to fetch GPT-2's)"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        fetched = snapshot_download(
+            name, allow_patterns=[CONFIG_JSON, WEIGHTS, VOCAB_JSON, MERGES_TXT]
+        )
+    except Exception as err:  # offline, unknown repo, no huggingface_hub: all one answer
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(
+            f"--init-from {name}: not a local directory, and fetching it from the Hugging Face "
+            f"hub failed ({first})"
+        ) from None
+    return Path(fetched)
+
+
+def hf_model_config(name: str, base: ModelConfig | None = None) -> ModelConfig:
+    """ModelConfig of a GPT-2 directory or hub id (reads config.json only)."""
+    return model_config_from_hf(read_hf_config(resolve_hf_dir(name)), base)
+
+
+def load_hf_tokenizer(name: str) -> BPETokenizer:
+    """GPT-2's tokenizer from the directory's vocab.json + merges.txt (<|endoftext|> kept as
+    the special token it is in GPT-2's vocab.json)."""
+    directory = resolve_hf_dir(name)
+    require_files(directory, (VOCAB_JSON, MERGES_TXT))
+    try:
+        vocab = json.loads((directory / VOCAB_JSON).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"{directory / VOCAB_JSON}: unreadable ({err})") from None
+    specials = [EOT] if isinstance(vocab, dict) and EOT in vocab else []
+    return BPETokenizer.from_gpt2_files(directory / VOCAB_JSON, directory / MERGES_TXT, specials)
+
+
+def load_hf_params(name: str, params_like: Any) -> Any:
+    """GPT-2's weights shaped (and placed) like `params_like`, e.g. a Trainer's params."""
+    directory = resolve_hf_dir(name)
+    require_files(directory, (CONFIG_JSON, WEIGHTS))
+    return params_from_hf(read_safetensors(directory / WEIGHTS), params_like, directory / WEIGHTS)
+
+
+def load_hf_gpt2(name: str, base: ModelConfig | None = None) -> tuple[BPETokenizer, GPT]:
+    """(tokenizer, GPT) of a Hugging Face GPT-2 directory or hub id."""
+    directory = resolve_hf_dir(name)
+    require_files(directory, (CONFIG_JSON, WEIGHTS, VOCAB_JSON, MERGES_TXT))
+    model_cfg = model_config_from_hf(read_hf_config(directory), base)
+    tokenizer = load_hf_tokenizer(str(directory))
+    _check_vocab(tokenizer, model_cfg, directory)
+    graphdef, abstract, rest = abstract_model(model_cfg)
+    params = load_hf_params(str(directory), abstract)
+    return tokenizer, nnx.merge(graphdef, params, rest)
+
+
+def _check_vocab(tokenizer: BPETokenizer, model_cfg: ModelConfig, directory: Path) -> None:
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise UsageError(
+            f"{directory}: the tokenizer has {tokenizer.vocab_size} tokens, the model only "
+            f"{model_cfg.vocab_size} (config.json vocab_size)"
+        )
+
+
+def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) -> None:
+    """Check everything --init-from needs, then save GPT-2's tokenizer as the run directory's
+    tokenizer (our pickle format). Nothing is written for a directory that is not GPT-2: the
+    files, config.json, the tokenizer and the tensors' names and shapes (from the safetensors
+    header, no weights read) are checked first."""
+    from safetensors import SafetensorError, safe_open
+
+    directory = resolve_hf_dir(name)
+    require_files(directory, (CONFIG_JSON, WEIGHTS, VOCAB_JSON, MERGES_TXT))
+    model_cfg = model_config_from_hf(read_hf_config(directory), base)
+    tokenizer = load_hf_tokenizer(str(directory))
+    _check_vocab(tokenizer, model_cfg, directory)
+    try:
+        with safe_open(str(directory / WEIGHTS), framework="np") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as err:
+        raise UsageError(
+            f"{directory / WEIGHTS}: not a readable safetensors file ({err})"
+        ) from None
+    check_tensor_shapes(shapes, abstract_model(model_cfg)[1], directory / WEIGHTS)
+    tokenizer.save(path)
+
+
+def started_from(run_dir: Path, init_from: str) -> bool:
+    """Whether run_dir holds a model fine-tuned from `init_from` (then --inference samples
+    the fine-tuned model rather than the original)."""
+    run_dir = Path(run_dir)
+    if not (has_checkpoint(run_dir) or has_quantized_checkpoint(run_dir)):
+        return False
+    try:
+        saved = json.loads((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and saved.get("init_from") == init_from

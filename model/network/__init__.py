@@ -1,0 +1,11 @@
+"""The GPT itself.
+
+config.py       ModelConfig: the network's hyperparameters (the [model] section)
+gpt.py          the decoder: embeddings, blocks, output layer, KV-cache decode
+attention.py    causal self-attention (reference, XLA and cuDNN paths)
+layers.py       norms and MLPs (GELU, SwiGLU) and the factories blocks use
+moe.py          mixture of experts: router, capacity, auxiliary losses
+rope.py         rotary position embeddings
+activations.py  GELU forms written for speed on XLA:CPU
+params.py       the abstract model (shapes without initialising) and parameter names
+"""

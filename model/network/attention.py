@@ -1,0 +1,258 @@
+"""Causal multi-head self-attention, with an optional explicit KV cache.
+
+The math is one pure function (`attend`, the readable reference); the module owns the
+projections and the cache writes. The same code serves training (keys = this call's tokens,
+causal mask) and decoding (keys = the whole preallocated cache, masked by absolute position),
+so the two paths cannot drift apart.
+
+The same attention also runs through `jax.nn.dot_product_attention` (`model.attention`):
+XLA's implementation anywhere, or cuDNN's fused flash attention on NVIDIA GPUs, which never
+materialises the [T, S] scores. `choose_implementation` picks one per call, from facts known
+at trace time (backend, dtype, head dim, cache or not, dropout), and picks cuDNN only where
+JAX's cuDNN path accepts the call (jax/_src/cudnn/fused_attention_stablehlo.py, JAX 0.10):
+  - fp16/bf16 inputs (float32 is refused);
+  - head dim a multiple of 8, at most 128 (256 only on Hopper and later: we stay at 128);
+  - a CUDA GPU of compute capability 8.0 or more (Ampere: flash attention's floor);
+  - a causal mask given as `is_causal` (cuDNN skips the masked blocks). The KV cache's
+    position mask is neither causal nor a padding length, and as a dense mask cuDNN would
+    take it as an additive bias: the cache path uses XLA.
+Attention dropout: dot_product_attention has no dropout on the probabilities, so a training
+call with model.dropout > 0 runs the reference (dropout stays exactly as before).
+
+Example:
+    >>> from flax import nnx
+    >>> from model.network.config import ModelConfig
+    >>> cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    >>> attn = CausalSelfAttention(cfg, rngs=nnx.Rngs(0))
+    >>> y, _ = attn(jnp.ones((1, 4, 32)), jnp.arange(4))
+    >>> y.shape
+    (1, 4, 32)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.network.config import ModelConfig
+from model.network.layers import linear, resid_std
+from model.network.rope import apply_rope
+from plumbing.errors import UsageError
+
+LayerCache = dict[str, jax.Array]  # {"k": [B, S, H, Dh], "v": [B, S, H, Dh]}
+
+CUDNN_MIN_COMPUTE_CAPABILITY = (8, 0)
+CUDNN_MAX_HEAD_DIM = 128
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+# Masked scores get the most negative float32 rather than -inf: a fully masked row (never
+# produced by our callers) would then give a uniform softmax instead of NaNs.
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def attend(
+    q_BxTxHxD: jax.Array,
+    k_BxSxHxD: jax.Array,
+    v_BxSxHxD: jax.Array,
+    mask_TxS: jax.Array,
+    *,
+    dropout: nnx.Dropout | None = None,
+    deterministic: bool = True,
+    rngs: nnx.Rngs | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention; scores and softmax in float32, output in q's dtype.
+
+    mask_TxS is True where query t may attend to key s.
+    """
+    scale = 1.0 / math.sqrt(q_BxTxHxD.shape[-1])
+    scores_BxHxTxS = jnp.einsum(
+        "bthd,bshd->bhts", q_BxTxHxD, k_BxSxHxD, preferred_element_type=jnp.float32
+    )
+    scores_BxHxTxS = jnp.where(mask_TxS[None, None], scores_BxHxTxS * scale, _MASKED)
+    probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1)
+    if dropout is not None:
+        probs_BxHxTxS = dropout(probs_BxHxTxS, deterministic=deterministic, rngs=rngs)
+    probs_BxHxTxS = probs_BxHxTxS.astype(v_BxSxHxD.dtype)
+    return jnp.einsum("bhts,bshd->bthd", probs_BxHxTxS, v_BxSxHxD)
+
+
+def choose_implementation(
+    requested: str,
+    *,
+    platform: str,
+    compute_capability: tuple[int, int] | None,
+    dtype: str,
+    head_dim: int,
+    cached: bool,
+    dropout: bool,
+) -> str:
+    """Which attention runs: "reference", "xla" or "cudnn". Pure: tested for every case.
+
+    requested: model.attention ("auto" | "xla" | "cudnn" | "reference"); platform: "cuda",
+    "rocm", "cpu" or "tpu"; compute_capability: (major, minor) of a CUDA GPU, else None;
+    dtype: the compute dtype's name; cached: keys come from the KV cache (position mask);
+    dropout: attention dropout is active in this call.
+
+    >>> choose_implementation("auto", platform="cuda", compute_capability=(9, 0),
+    ...     dtype="bfloat16", head_dim=64, cached=False, dropout=False)
+    'cudnn'
+    >>> choose_implementation("auto", platform="cpu", compute_capability=None,
+    ...     dtype="float32", head_dim=64, cached=False, dropout=False)
+    'xla'
+    """
+    if requested == "reference" or dropout:
+        return "reference"  # dot_product_attention cannot drop attention probabilities
+    if requested == "xla" or cached:
+        return "xla"
+    cudnn_ok = (
+        platform == "cuda"
+        and compute_capability is not None
+        and compute_capability >= CUDNN_MIN_COMPUTE_CAPABILITY
+        and dtype in CUDNN_DTYPES
+        and head_dim % 8 == 0
+        and head_dim <= CUDNN_MAX_HEAD_DIM
+    )
+    if requested == "cudnn" and not cudnn_ok:
+        raise UsageError(
+            f"model.attention='cudnn' needs an NVIDIA GPU of compute capability 8.0+ "
+            f"(this backend: {platform}"
+            + (f" {compute_capability[0]}.{compute_capability[1]}" if compute_capability else "")
+            + f"), bf16/fp16 compute (model.dtype={dtype}) and a head dim that is a multiple "
+            f"of 8 up to {CUDNN_MAX_HEAD_DIM} (got {head_dim}); use model.attention=auto"
+        )
+    return "cudnn" if cudnn_ok else "xla"
+
+
+@functools.cache
+def backend_facts() -> tuple[str, tuple[int, int] | None]:
+    """(platform, compute capability) of the default device: ("cuda", (9, 0)) on an H100,
+    ("cpu", None) here. Read once, at trace time."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return device.platform, None
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    if "cuda" not in version:
+        return "rocm", None
+    try:
+        major, minor = (int(x) for x in str(device.compute_capability).split(".")[:2])
+    except (AttributeError, ValueError):
+        return "cuda", None
+    return "cuda", (major, minor)
+
+
+def attend_fused(
+    q_BxTxHxD: jax.Array,
+    k_BxSxHxD: jax.Array,
+    v_BxSxHxD: jax.Array,
+    mask_TxS: jax.Array | None,
+    implementation: str,
+) -> jax.Array:
+    """`attend` through jax.nn.dot_product_attention; mask_TxS None means causal over T == S
+    (given as is_causal, the form cuDNN's flash attention can skip blocks with)."""
+    if mask_TxS is None:
+        return jax.nn.dot_product_attention(
+            q_BxTxHxD, k_BxSxHxD, v_BxSxHxD, is_causal=True, implementation=implementation
+        )
+    return jax.nn.dot_product_attention(
+        q_BxTxHxD, k_BxSxHxD, v_BxSxHxD, mask=mask_TxS[None, None], implementation=implementation
+    )
+
+
+def causal_mask(t: int) -> jax.Array:
+    """[T, T] boolean lower-triangular mask: query t sees keys 0..t."""
+    return jnp.tril(jnp.ones((t, t), dtype=bool))
+
+
+def position_mask(query_pos_T: jax.Array, num_keys: int) -> jax.Array:
+    """[T, S] mask for a cache: query at absolute position p sees cache slots 0..p.
+
+    Slots beyond p hold stale or padding entries; masking by position (not by a length) keeps
+    every shape fixed, so one compiled program serves every step.
+    """
+    return jnp.arange(num_keys)[None, :] <= query_pos_T[:, None]
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head attention with fused qkv projection, as in GPT-2."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
+        self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
+        self.c_attn = linear(cfg, cfg.n_embd, 3 * cfg.n_embd, 0.02, rngs)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), two per block, so the
+        # residual stream's variance does not grow with depth.
+        self.c_proj = linear(cfg, cfg.n_embd, cfg.n_embd, resid_std(cfg), rngs)
+        self.attn_dropout = nnx.Dropout(cfg.dropout) if cfg.dropout > 0 else None
+        self.attention = cfg.attention
+        self.dtype_name = cfg.dtype
+        self.resid_dropout = nnx.Dropout(cfg.dropout)
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        positions_T: jax.Array,
+        *,
+        cache: LayerCache | None = None,
+        deterministic: bool = True,
+        rngs: nnx.Rngs | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """Attend; with a cache, write this call's k/v at positions_T[0] and attend over it.
+
+        positions_T are the absolute positions of the T tokens (consecutive).
+        """
+        b, t, d = x_BxTxD.shape
+        # Projections on [B*T, D]: XLA:CPU runs the backward of 2-D matmuls ~2.5x faster than
+        # of the same matmuls with two batch dimensions.
+        qkv_BxTx3D = self.c_attn(x_BxTxD.reshape(b * t, d)).reshape(b, t, 3 * d)
+        q, k, v = jnp.split(qkv_BxTx3D, 3, axis=-1)
+        q_BxTxHxD = q.reshape(b, t, self.n_head, self.head_dim)
+        k_BxTxHxD = k.reshape(b, t, self.n_head, self.head_dim)
+        v_BxTxHxD = v.reshape(b, t, self.n_head, self.head_dim)
+        if self.rope_theta is not None:
+            q_BxTxHxD = apply_rope(q_BxTxHxD, positions_T, self.rope_theta)
+            k_BxTxHxD = apply_rope(k_BxTxHxD, positions_T, self.rope_theta)
+
+        if cache is None:
+            keys, values, mask = k_BxTxHxD, v_BxTxHxD, None  # None: causal
+            new_cache = None
+        else:
+            start = (0, positions_T[0], 0, 0)
+            keys = jax.lax.dynamic_update_slice(
+                cache["k"], k_BxTxHxD.astype(cache["k"].dtype), start
+            )
+            values = jax.lax.dynamic_update_slice(
+                cache["v"], v_BxTxHxD.astype(cache["v"].dtype), start
+            )
+            mask = position_mask(positions_T, keys.shape[1])
+            new_cache = {"k": keys, "v": values}
+
+        platform, capability = backend_facts()
+        implementation = choose_implementation(
+            self.attention,
+            platform=platform,
+            compute_capability=capability,
+            dtype=self.dtype_name,
+            head_dim=self.head_dim,
+            cached=cache is not None,
+            dropout=self.attn_dropout is not None and not deterministic,
+        )
+        if implementation == "reference":
+            y_BxTxHxD = attend(
+                q_BxTxHxD,
+                keys,
+                values,
+                causal_mask(t) if mask is None else mask,
+                dropout=self.attn_dropout,
+                deterministic=deterministic,
+                rngs=rngs,
+            )
+        else:
+            y_BxTxHxD = attend_fused(q_BxTxHxD, keys, values, mask, implementation)
+        y_BxTxD = self.c_proj(y_BxTxHxD.reshape(b * t, d)).reshape(b, t, d)
+        y_BxTxD = self.resid_dropout(y_BxTxD, deterministic=deterministic, rngs=rngs)
+        return y_BxTxD, new_cache

@@ -1,0 +1,214 @@
+"""The model's hyperparameters: one typed, validated dataclass.
+
+Example:
+    >>> cfg = ModelConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    >>> cfg.validate() is cfg
+    True
+    >>> cfg.head_dim
+    16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from plumbing.errors import UsageError
+from plumbing.typed_data import from_plain
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope")
+DTYPES = ("float32", "bfloat16")  # names only: configs load without importing JAX
+GELUS = ("exact", "tanh")
+ATTENTIONS = ("auto", "xla", "cudnn", "reference")
+# Fields that choose how the same function is computed, not which function: a checkpoint
+# trained with one value runs with any other (model/training/resume.py `check_compatible`).
+IMPLEMENTATION_FIELDS = ("dropout", "dtype", "attention")
+
+# Plain upper bounds, far above any model this project trains, that keep a typo such as
+# n_layer=1e30 from hanging construction (model/training/memory.py has the fine check).
+MAX_DIM = 2**31 - 1  # token ids, positions and widths are int32 in JAX
+MAX_LAYERS = 1024
+MAX_EXPERTS = 1024
+MAX_PARAMS = 10**12
+
+
+# unsafe_hash: the config is static data of the model's graphdef, which jit hashes as a static
+# argument; the model keeps its own copy, so later edits of the caller's config are harmless.
+@dataclass(unsafe_hash=True)
+class ModelConfig:
+    # Number of token ids the embedding and the output layer cover; 0 in a config file, where
+    # it is not known until the tokenizer exists (the train stage fills it in).
+    vocab_size: int = 0
+    block_size: int = 256  # context length: the most tokens the model attends over at once
+    n_layer: int = 6  # number of transformer blocks
+    n_head: int = 6  # attention heads per block; n_embd must be a multiple of it
+    n_embd: int = 384  # width of the residual stream (defaults: nanoGPT's Shakespeare model)
+    dropout: float = 0.0  # dropout rate on embeddings, attention weights and residual branches
+    bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 had them)
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm" (pre-norm, before each sub-block)
+    mlp: str = "gelu"  # "gelu" (4x hidden, exact erf GELU as nanoGPT) | "swiglu" (Llama)
+    gelu: str = "exact"  # GELU form: "exact" (erf, nanoGPT's nn.GELU) | "tanh" (GPT-2's gelu_new)
+    norm_eps: float = 1e-5  # epsilon of LayerNorm / RMSNorm (GPT-2: layer_norm_epsilon 1e-5)
+    # Output layer = the token embedding (GPT-2, nanoGPT); false adds a separate [D, V] layer.
+    tie_embeddings: bool = True
+    position: str = "learned"  # "learned" absolute embeddings | "rope" rotary on q and k
+    rope_theta: float = 10000.0  # RoPE base: wavelengths grow geometrically up to 2*pi*theta
+    moe_experts: int = 0  # experts per MoE layer; 0 = dense MLP everywhere
+    moe_top_k: int = 2  # experts each token is routed to (when moe_experts > 0)
+    moe_every: int = 1  # an MoE MLP replaces the dense MLP in every k-th block
+    moe_hidden: int = 0  # expert hidden width; 0 = the dense MLP's (4*n_embd, SwiGLU 8/3*n_embd)
+    moe_aux_weight: float = 0.01  # weight of the Switch load-balancing loss (1 when balanced)
+    moe_z_weight: float = 0.001  # weight of the router z-loss, mean logsumexp(router logits)^2
+    moe_capacity_factor: float = 1.25  # training slots per expert / (tokens*k/E); 0 = dropless
+    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"; params always float32
+    # Attention kernel: "auto" (cuDNN flash attention on NVIDIA GPUs in bf16, else XLA's
+    # jax.nn.dot_product_attention) | "xla" | "cudnn" | "reference" (our einsum form).
+    # Same values whichever runs (model/network/attention.py); not part of a checkpoint's identity.
+    attention: str = "auto"
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head (n_embd // n_head)."""
+        return self.n_embd // self.n_head
+
+    @property
+    def compute_dtype(self):
+        """The jnp dtype activations are computed in."""
+        import jax.numpy as jnp
+
+        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[self.dtype]
+
+    def approx_params(self) -> int:
+        """Parameter count from the shapes alone (biases and norms included roughly), for
+        size limits and memory estimates; no model is built.
+
+        >>> cfg = ModelConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
+        >>> cfg.approx_params()  # the model built from it has 804,096
+        807296
+        """
+        c = self.n_embd
+        mlp_widths = 2 if self.mlp == "gelu" else 3  # fc + proj, or gate + up + proj
+        dense_hidden = 4 * c if self.mlp == "gelu" else 8 * c // 3
+        n_moe = self.n_layer // self.moe_every if self.moe_experts > 0 else 0
+        expert = mlp_widths * (self.moe_hidden or dense_hidden) * c
+        per_layer = 4 * c * c + 8 * c  # attention, norms and biases
+        mlps = (self.n_layer - n_moe) * mlp_widths * dense_hidden * c
+        mlps += n_moe * (self.moe_experts * expert + c * self.moe_experts)
+        positions = self.block_size * c if self.position == "learned" else 0
+        return self.vocab_size * c + positions + self.n_layer * per_layer + mlps + 2 * c
+
+    def for_vocab(self, vocab_size: int) -> ModelConfig:
+        """A validated copy for a tokenizer of `vocab_size` tokens (a config file leaves the
+        vocabulary 0 until the tokenizer exists)."""
+        return dataclasses.replace(self, vocab_size=vocab_size).validate()
+
+    def validate(self) -> ModelConfig:
+        """Raise UsageError with one line naming the first bad value; return self if valid."""
+        self._check_shape()
+        self._check_options()
+        self._check_moe()
+        if self.approx_params() > MAX_PARAMS:
+            raise UsageError(
+                f"the model would have about {self.approx_params():.3g} parameters, above the "
+                f"limit of {MAX_PARAMS:.0e}: lower model.n_layer, model.n_embd or model.vocab_size"
+            )
+        return self
+
+    def _check_shape(self) -> None:
+        """Sizes: positive integers within their limits; heads that divide the width."""
+        limits = {"n_layer": MAX_LAYERS, "moe_every": MAX_LAYERS}
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "moe_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UsageError(f"model.{name} must be a positive integer, got {value!r}")
+            if value > limits.get(name, MAX_DIM):
+                raise UsageError(
+                    f"model.{name} must be at most {limits.get(name, MAX_DIM)}, got {value}"
+                )
+        if self.n_embd % self.n_head != 0:
+            raise UsageError(
+                f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head ({self.n_head})"
+            )
+
+    def _check_options(self) -> None:
+        """Choices and the numbers that go with them (attention kernel, norms, positions)."""
+        _check_choice("norm", self.norm, NORMS)
+        _check_choice("mlp", self.mlp, MLPS)
+        _check_choice("position", self.position, POSITIONS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("gelu", self.gelu, GELUS)
+        _check_choice("attention", self.attention, ATTENTIONS)
+        if self.attention == "cudnn" and self.dtype != "bfloat16":
+            raise UsageError(
+                "model.attention='cudnn' needs model.dtype='bfloat16' (cuDNN flash attention "
+                "runs in fp16/bf16 only); use model.attention=auto"
+            )
+        if self.attention == "cudnn" and not (self.head_dim % 8 == 0 and self.head_dim <= 128):
+            raise UsageError(
+                f"model.attention='cudnn' needs a head dim that is a multiple of 8 and at most "
+                f"128, got n_embd/n_head = {self.head_dim}; use model.attention=auto"
+            )
+        if isinstance(self.norm_eps, bool) or not (
+            isinstance(self.norm_eps, (int, float)) and 0.0 < self.norm_eps < 1.0
+        ):
+            raise UsageError(f"model.norm_eps must be a number in (0, 1), got {self.norm_eps!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise UsageError(
+                f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}"
+            )
+        if self.position == "rope" and self.head_dim % 2 != 0:
+            raise UsageError(
+                f"model.position='rope' needs an even head dim, got n_embd/n_head = {self.head_dim}"
+            )
+        if not (isinstance(self.rope_theta, (int, float)) and 0 < self.rope_theta < math.inf):
+            raise UsageError(
+                f"model.rope_theta must be a finite number > 0, got {self.rope_theta!r}"
+            )
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise UsageError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+
+    def _check_moe(self) -> None:
+        """Mixture-of-experts settings (checked whether or not experts are on)."""
+        if self.moe_experts > MAX_EXPERTS:
+            raise UsageError(
+                f"model.moe_experts must be at most {MAX_EXPERTS}, got {self.moe_experts}"
+            )
+        if self.moe_experts < 0 or self.moe_top_k <= 0:
+            raise UsageError(
+                f"model.moe_experts must be >= 0 and model.moe_top_k >= 1, "
+                f"got {self.moe_experts} and {self.moe_top_k}"
+            )
+        if self.moe_experts > 0 and self.moe_top_k > self.moe_experts:
+            raise UsageError(
+                f"model.moe_top_k ({self.moe_top_k}) cannot exceed "
+                f"model.moe_experts ({self.moe_experts})"
+            )
+        if self.moe_experts > 0 and self.moe_every > self.n_layer:
+            raise UsageError(
+                f"model.moe_every ({self.moe_every}) is above model.n_layer ({self.n_layer}): "
+                "no block would get an MoE MLP"
+            )
+        if not isinstance(self.moe_hidden, int) or not 0 <= self.moe_hidden <= MAX_DIM:
+            raise UsageError(
+                f"model.moe_hidden must be an integer >= 0 (at most {MAX_DIM}), "
+                f"got {self.moe_hidden!r}"
+            )
+        for name in ("moe_aux_weight", "moe_z_weight", "moe_capacity_factor"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
+                raise UsageError(f"model.{name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UsageError(f"model.{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def model_config_of(saved: dict[str, Any]) -> ModelConfig:
+    """The [model] section of a run's saved config (config.json, a checkpoint's record), typed
+    and checked as a config file's is (not yet validated: its vocabulary may still be 0)."""
+    return from_plain(ModelConfig, saved.get("model", {}), "model.")

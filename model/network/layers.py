@@ -1,0 +1,119 @@
+"""Norms and feed-forward layers, and the factories the block builds them with.
+
+Every MLP returns `(y, aux)` where aux is a dict of auxiliary losses (empty for dense MLPs).
+That is the seam for mixture of experts: an MoE MLP returns its load-balancing and router
+z-losses there, and `make_mlp` decides which blocks get one.
+
+Example:
+    >>> from model.network.config import ModelConfig
+    >>> cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    >>> mlp = make_mlp(cfg, layer_index=0, rngs=nnx.Rngs(0))
+    >>> y, aux = mlp(jnp.ones((1, 4, 32)))
+    >>> y.shape, aux
+    ((1, 4, 32), {})
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.network.activations import gelu_fn
+from model.network.config import ModelConfig
+from model.network.moe import MoEMLP, is_moe_layer
+
+
+def make_norm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+    """LayerNorm (bias per cfg.bias) or RMSNorm over the model width, epsilon cfg.norm_eps."""
+    if cfg.norm == "rmsnorm":
+        return nnx.RMSNorm(
+            cfg.n_embd,
+            epsilon=cfg.norm_eps,
+            dtype=cfg.compute_dtype,
+            param_dtype=jnp.float32,
+            rngs=rngs,
+        )
+    return nnx.LayerNorm(
+        cfg.n_embd,
+        epsilon=cfg.norm_eps,
+        use_bias=cfg.bias,
+        dtype=cfg.compute_dtype,
+        param_dtype=jnp.float32,
+        rngs=rngs,
+    )
+
+
+def swiglu_hidden(n_embd: int) -> int:
+    """SwiGLU hidden width: 2/3 of 4*n_embd (same parameter count as a 4x GELU MLP, as Llama),
+    rounded up to a multiple of 8 for friendlier matmul shapes. 768 -> 2048, 32 -> 88."""
+    return 8 * math.ceil(int(2 * 4 * n_embd / 3) / 8)
+
+
+def linear(cfg: ModelConfig, n_in: int, n_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
+    """A Linear in the model's compute dtype with float32 params, N(0, std) kernel, zero bias."""
+    return nnx.Linear(
+        n_in,
+        n_out,
+        use_bias=cfg.bias,
+        dtype=cfg.compute_dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nnx.initializers.normal(std),
+        bias_init=nnx.initializers.zeros,
+        rngs=rngs,
+    )
+
+
+def resid_std(cfg: ModelConfig) -> float:
+    # GPT-2: the projection back into the residual stream is scaled by 1/sqrt(2 * n_layer).
+    return 0.02 / math.sqrt(2 * cfg.n_layer)
+
+
+class GeluMLP(nnx.Module):
+    """GPT-2 MLP: Linear(D, 4D) -> GELU -> Linear(4D, D); GELU per cfg.gelu (default exact
+    erf as nanoGPT's nn.GELU; GPT-2's own weights were trained with the tanh form)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.gelu = gelu_fn(cfg.gelu)
+        self.c_fc = linear(cfg, cfg.n_embd, 4 * cfg.n_embd, 0.02, rngs)
+        self.c_proj = linear(cfg, 4 * cfg.n_embd, cfg.n_embd, resid_std(cfg), rngs)
+        self.dropout = nnx.Dropout(cfg.dropout)
+
+    def __call__(
+        self, x_BxTxD: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        h_BxTxF = self.gelu(self.c_fc(x_BxTxD))
+        y_BxTxD = self.dropout(self.c_proj(h_BxTxF), deterministic=deterministic, rngs=rngs)
+        return y_BxTxD, {}
+
+
+class SwiGLUMLP(nnx.Module):
+    """Gated MLP (Shazeer 2020, Llama): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        hidden = swiglu_hidden(cfg.n_embd)
+        self.gate = linear(cfg, cfg.n_embd, hidden, 0.02, rngs)
+        self.up = linear(cfg, cfg.n_embd, hidden, 0.02, rngs)
+        self.c_proj = linear(cfg, hidden, cfg.n_embd, resid_std(cfg), rngs)
+        self.dropout = nnx.Dropout(cfg.dropout)
+
+    def __call__(
+        self, x_BxTxD: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        h_BxTxF = jax.nn.silu(self.gate(x_BxTxD)) * self.up(x_BxTxD)
+        y_BxTxD = self.dropout(self.c_proj(h_BxTxF), deterministic=deterministic, rngs=rngs)
+        return y_BxTxD, {}
+
+
+def make_mlp(cfg: ModelConfig, layer_index: int, *, rngs: nnx.Rngs) -> nnx.Module:
+    """The feed-forward layer of block `layer_index`: dense GELU or SwiGLU, or with
+    cfg.moe_experts > 0 a mixture of such experts in every cfg.moe_every-th block
+    (blocks moe_every-1, 2*moe_every-1, ...; see model.network.moe)."""
+    if is_moe_layer(cfg, layer_index):
+        dense_hidden = swiglu_hidden(cfg.n_embd) if cfg.mlp == "swiglu" else 4 * cfg.n_embd
+        return MoEMLP(cfg, hidden=cfg.moe_hidden or dense_hidden, rngs=rngs)
+    if cfg.mlp == "swiglu":
+        return SwiGLUMLP(cfg, rngs=rngs)
+    return GeluMLP(cfg, rngs=rngs)

@@ -1,0 +1,86 @@
+"""Devices and shardings: a 1-D `data` mesh over every visible device.
+
+Batches are sharded over `data`; parameters are replicated (data parallel) or, with
+`train.fsdp`, sharded over the same axis along their first evenly divisible dimension
+(ZeRO-3 style: XLA gathers them for each use). Mixture-of-experts weights stacked along a
+leading expert axis are split along it whenever the device count divides the expert count
+(expert parallelism: each device holds whole experts). With several processes
+(model/processes/distributed.py) the mesh spans every process's devices and each process feeds
+only the rows of the global batch that its own devices hold.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from model.network.moe import EXPERT_PARAM_PREFIX
+from model.network.params import path_names
+from plumbing.errors import UsageError
+
+
+def data_mesh() -> Mesh:
+    # Mesh(...) keeps Auto axis types (jax.make_mesh now defaults to Explicit, which would
+    # need out_sharding annotations on every embedding lookup).
+    return Mesh(np.array(jax.devices()), ("data",))
+
+
+def check_batch_divisible(micro_batch: int, mesh: Mesh) -> None:
+    n = mesh.devices.size
+    if micro_batch % n:
+        raise UsageError(
+            f"the micro-batch (train.batch_size / train.grad_accum = {micro_batch}) must divide "
+            f"evenly over the {n} devices"
+        )
+
+
+def param_shardings(params, mesh: Mesh, fsdp: bool):
+    """Replicated, or (fsdp) split along the first dimension the device count divides;
+    expert-stacked MoE params ([E, ...], named expert_*) split along E when n divides E."""
+    n = mesh.devices.size
+
+    def spec(path, x) -> NamedSharding:
+        is_expert = any(name.startswith(EXPERT_PARAM_PREFIX) for name in path_names(path))
+        if is_expert and n > 1 and x.shape[0] % n == 0:
+            return NamedSharding(mesh, P("data"))
+        if fsdp and x.ndim >= 2:
+            for axis, size in enumerate(x.shape):
+                if size % n == 0:
+                    return NamedSharding(mesh, P(*([None] * axis), "data"))
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def place_on_mesh(tree, mesh: Mesh):
+    """Replicate leaves that are not yet on the mesh (e.g. optimizer step counters).
+
+    Otherwise the step's outputs, which are on the mesh, would not match its first inputs
+    and the step would compile a second time.
+    """
+    replicated = NamedSharding(mesh, P())
+
+    def place(x):
+        if isinstance(getattr(x, "sharding", None), NamedSharding):
+            return x
+        return jax.device_put(x, replicated)
+
+    return jax.tree_util.tree_map(place, tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches are [grad_accum, micro_batch, T]: split the micro-batch rows over `data`."""
+    return NamedSharding(mesh, P(None, "data"))
+
+
+def put_batch(x_AxBxT: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """Place a global batch (the same numpy array in every process, drawn from the seed).
+
+    With several processes each one copies only the slices its own devices hold, whatever
+    the order of devices in the mesh and however many each process has.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(x_AxBxT, sharding)
+    return jax.make_array_from_callback(x_AxBxT.shape, sharding, lambda index: x_AxBxT[index])

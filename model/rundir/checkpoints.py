@@ -1,0 +1,341 @@
+"""Checkpoints with orbax: params, optimizer state and a JSON record, committed atomically and
+checked on the way back in.
+
+Layout: `run_dir/checkpoints/<step>/{params, opt_state, meta}`. Params and optimizer state are
+separate items so inference restores the params alone. `meta` holds the step, the resolved
+config, the tokenizer's hash and anything else needed to continue exactly (data and PRNG state
+are functions of (seed, step), so the step is that state), plus a checksum of every array
+saved (`checksums`, see `tree_checksums`).
+
+Restoring verifies those checksums. A checkpoint that cannot be read or does not match its
+checksums is *damaged*: `restore_newest` warns in one line and falls back to the newest intact
+one; a writer (the training run, which holds the run-directory lock) moves damaged steps out
+of the way into `run_dir/damaged-checkpoints/`, so that nothing is lost and the step can be
+saved again. Old steps are deleted by first renaming them into `checkpoints/.deleting/`
+(atomic), so an interrupted deletion never leaves a half-deleted step that looks like a
+checkpoint.
+
+    >>> ckpt = Checkpoints(run_dir)                                # doctest: +SKIP
+    >>> ckpt.save(100, params, opt_state, {"config": cfg.to_dict()})
+    >>> step, (params, opt_state, meta) = ckpt.restore_newest(
+    ...     lambda s: ckpt.restore(s, params, opt_state))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from model.processes.distributed import is_primary
+from model.rundir.layout import CHECKPOINT_DIR, DAMAGED_DIR, checkpoint_steps
+from plumbing.errors import UsageError
+
+_DISK_ERRORS = {
+    "No space left on device": errno.ENOSPC,
+    "Read-only file system": errno.EROFS,
+    "Permission denied": errno.EACCES,
+    "Disk quota exceeded": errno.EDQUOT,
+}
+DELETING_SUBDIR = ".deleting"  # inside checkpoints/: old steps renamed here, then removed
+T = TypeVar("T")
+
+
+class CheckpointDamaged(Exception):
+    """A checkpoint step that cannot be read back intact (the reason is the message)."""
+
+
+class Checkpoints:
+    """A thin wrapper over `ocp.CheckpointManager` for one run directory."""
+
+    def __init__(self, run_dir: Path, max_to_keep: int = 2, read_only: bool = False):
+        self.run_dir = Path(run_dir)
+        self.directory = (self.run_dir / CHECKPOINT_DIR).absolute()
+        self.read_only = read_only
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            create=not read_only,  # orbax's own read_only mode logs warnings on every open
+            enable_async_checkpointing=True,
+            # Rename old steps aside before deleting them: a kill during the deletion then
+            # leaves no half-deleted step behind (`remove_deleted` clears the rest).
+            todelete_subdir=None if read_only else DELETING_SUBDIR,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("params", "opt_state", "meta")
+        )
+
+    def steps(self) -> list[int]:
+        """Committed steps on disk, newest first (digit-named directories only)."""
+        return sorted(checkpoint_steps(self.run_dir), reverse=True)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[0] if steps else None
+
+    def save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
+        """Start an atomic save (async: training goes on while orbax writes). The checksums
+        of the arrays are computed first, on the device, and stored in `meta`."""
+        checksums = {"params": tree_checksums(params)}
+        args = {"params": ocp.args.StandardSave(params)}
+        if opt_state is not None:
+            checksums["opt_state"] = tree_checksums(opt_state)
+            args["opt_state"] = ocp.args.StandardSave(opt_state)
+        args["meta"] = ocp.args.JsonSave({**meta, "checksums": checksums})
+        with self._disk_errors():
+            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+
+    def read_meta(self, step: int) -> dict:
+        """The JSON record of `step`; CheckpointDamaged if it is missing or unreadable."""
+        path = self.directory / str(step) / "meta" / "metadata"
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            meta = self._restore_meta_with_orbax(step)
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise CheckpointDamaged(f"its record is unreadable ({type(err).__name__})") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+            raise CheckpointDamaged("its record holds no config")
+        return meta
+
+    def _restore_meta_with_orbax(self, step: int) -> Any:
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )
+            return dict(restored["meta"])
+        except Exception as err:  # orbax/TensorStore raise many types for a broken step
+            raise CheckpointDamaged(
+                f"its record is missing or unreadable ({_first_line(err)})"
+            ) from None
+
+    def restore(self, step: int, params_like: Any, opt_state_like: Any = None):
+        """(params, opt_state or None, meta) of `step`, in the structure and shardings of
+        `params_like`/`opt_state_like`. CheckpointDamaged if anything cannot be read or does
+        not match the checksums saved with it."""
+        meta = self.read_meta(step)
+        args = {"params": ocp.args.StandardRestore(_abstract(params_like))}
+        if opt_state_like is not None:
+            args["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state_like))
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        except Exception as err:  # orbax/TensorStore raise many types for a broken step
+            raise CheckpointDamaged(f"it cannot be read ({_first_line(err)})") from None
+        params = restored["params"]
+        opt_state = restored["opt_state"] if opt_state_like is not None else None
+        saved = meta.get("checksums")
+        if saved is not None:  # checkpoints written before checksums existed have none
+            _verify(saved.get("params"), params, "params")
+            if opt_state is not None:
+                _verify(saved.get("opt_state"), opt_state, "optimizer state")
+        return params, opt_state, meta
+
+    def restore_newest(self, load: Callable[[int], T]) -> tuple[int, T]:
+        """(step, load(step)) for the newest step that `load` reads intact.
+
+        Each damaged step gets one warning line on stderr and the next older one is tried.
+        Once an intact step is found, a writer moves the damaged newer ones into
+        `damaged-checkpoints/` (kept, and out of the way of the steps training will save
+        again). UsageError if none is intact; then nothing is moved.
+        """
+        damaged: list[tuple[int, str]] = []
+        for step in self.steps():
+            try:
+                result = load(step)
+            except CheckpointDamaged as err:
+                damaged.append((step, str(err)))
+                sys.stderr.write(
+                    f"tinyllm: warning: checkpoint step {step} in {self.directory} is "
+                    f"damaged ({err}); trying an older one\n"
+                )
+                continue
+            if not self.read_only and is_primary():
+                for bad, _ in damaged:
+                    where = self._quarantine(bad)
+                    if where is not None:
+                        sys.stderr.write(f"tinyllm: moved damaged step {bad} to {where}\n")
+            return step, result
+        if damaged:
+            listed = "; ".join(f"step {step}: {why}" for step, why in damaged)
+            raise UsageError(
+                f"no intact checkpoint in {self.directory} ({listed}): train a new run "
+                "(pick another --out)"
+            )
+        raise UsageError(f"no checkpoint in {self.run_dir}: train first")
+
+    def _quarantine(self, step: int) -> Path | None:
+        """Move a damaged step out of checkpoints/ (kept for inspection, never deleted)."""
+        source = self.directory / str(step)
+        target_root = self.run_dir / DAMAGED_DIR
+        target_root.mkdir(exist_ok=True)
+        target = target_root / str(step)
+        n = 1
+        while target.exists():
+            target, n = target_root / f"{step}.{n}", n + 1
+        try:
+            source.rename(target)
+        except OSError:
+            return None
+        self._manager.reload()  # forget the step orbax may have listed
+        return target
+
+    @contextlib.contextmanager
+    def _disk_errors(self):
+        """orbax and TensorStore report a full or read-only disk as ValueError or
+        RuntimeError text (often from the thread that writes asynchronously): turn those into
+        the OSError they are, naming the checkpoint directory, so the CLI prints one line."""
+        try:
+            yield
+        except OSError as err:
+            if err.filename is None:  # orbax's own writes (a JSON item) lose the path
+                raise OSError(err.errno, err.strerror, str(self.directory)) from err
+            raise
+        except Exception as err:
+            text = str(err)
+            for marker, code in _DISK_ERRORS.items():
+                if marker in text:
+                    raise OSError(code, os.strerror(code), str(self.directory)) from err
+            raise
+
+    def remove_leftovers(self) -> None:
+        """Clear what a killed writer left: orbax temp directories and half-done deletions.
+        Only for the writer that holds the run-directory lock."""
+        if not self.directory.is_dir():
+            return
+        for path in self.directory.iterdir():
+            if path.name == DELETING_SUBDIR or ".orbax-checkpoint-tmp" in path.name:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def wait(self) -> None:
+        with self._disk_errors():
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        try:
+            with self._disk_errors():
+                self._manager.wait_until_finished()
+        finally:  # stop orbax's threads even when the last write failed
+            with contextlib.suppress(Exception):
+                self._manager.close()
+        if not self.read_only and is_primary():
+            shutil.rmtree(self.directory / DELETING_SUBDIR, ignore_errors=True)
+
+
+# -- checksums -----------------------------------------------------------------------------
+
+
+@jax.jit
+def _checksums_on_device(leaves: list[jax.Array]) -> list[jax.Array]:
+    return [_leaf_checksum(x) for x in leaves]
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """A uint32 digest of an array's bits: sum of word_i * (2i + 1), wrapping mod 2**32.
+
+    Integer sums are exact and order-free, so the digest does not depend on sharding or
+    device count, and it runs where the array lives (no copy to the host). The odd weights
+    make every single-bit change, and every swap of two different words, change the digest.
+    """
+    if x.dtype == jnp.bool_:
+        words = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 4:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif x.dtype.itemsize == 2:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    elif x.dtype.itemsize == 1:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+    else:  # 8-byte types: two uint32 words each
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    words = words.reshape(-1)
+    weights = jnp.arange(words.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+    return jnp.sum(words * weights, dtype=jnp.uint32)
+
+
+def tree_checksums(tree: Any) -> list[int]:
+    """One uint32 digest per array leaf of `tree`, in `jax.tree_util.tree_leaves` order.
+
+    >>> tree_checksums({"w": jnp.zeros(3)})
+    [0]
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
+    if not leaves:
+        return []
+    if all(_readable_in_place(x) for x in leaves):
+        # In host memory already: numpy gives the same digests without compiling a program
+        # (what loading a checkpoint for sampling would otherwise spend most of its time on).
+        return [_host_checksum(np.asarray(x)) for x in leaves]
+    digests = _checksums_on_device(leaves)
+    # Replicated scalars: any local copy holds the value (also with several processes).
+    return [int(np.asarray(d.addressable_data(0))) for d in digests]
+
+
+def _readable_in_place(x: jax.Array) -> bool:
+    """Whether numpy can read the whole array where it lies: one CPU device, words of at most
+    4 bytes (8-byte types go to the device path, whose word order is XLA's)."""
+    devices = x.sharding.device_set
+    return (
+        x.is_fully_addressable
+        and len(devices) == 1
+        and next(iter(devices)).platform == "cpu"
+        and x.dtype.itemsize <= 4
+    )
+
+
+_HOST_BLOCK = 1 << 20  # words per numpy step: bounds the temporary arrays of a large leaf
+
+
+def _host_checksum(x: np.ndarray) -> int:
+    """`_leaf_checksum` in numpy: uint32 arithmetic wraps mod 2**32 as XLA's does."""
+    if x.dtype == np.bool_:
+        words = x.reshape(-1).astype(np.uint32)
+    else:
+        unsigned = {4: np.uint32, 2: np.uint16, 1: np.uint8}[x.dtype.itemsize]
+        words = np.ascontiguousarray(x).reshape(-1).view(unsigned)
+    total = 0
+    for start in range(0, words.size, _HOST_BLOCK):
+        block = words[start : start + _HOST_BLOCK].astype(np.uint32)
+        weights = np.arange(start, start + block.size, dtype=np.uint32) * np.uint32(2) + 1
+        total += int(np.sum(block * weights, dtype=np.uint32))
+    return total % 2**32
+
+
+def _verify(saved: Any, tree: Any, what: str) -> None:
+    ours = tree_checksums(tree)
+    if not isinstance(saved, list) or len(saved) != len(ours):
+        raise CheckpointDamaged(f"its {what} checksums are missing or malformed")
+    bad = [i for i, (a, b) in enumerate(zip(saved, ours, strict=True)) if a != b]
+    if bad:
+        paths = [
+            jax.tree_util.keystr(p)
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)
+            if isinstance(x, jax.Array)
+        ]
+        raise CheckpointDamaged(
+            f"{what} {paths[bad[0]]} does not match its checksum"
+            + (f" (and {len(bad) - 1} more arrays)" if len(bad) > 1 else "")
+        )
+
+
+def _abstract(tree: Any) -> Any:
+    def leaf(x):
+        if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
+    return jax.tree_util.tree_map(leaf, tree)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    return first[:200]

@@ -1,0 +1,155 @@
+"""The --train stage: the run's tokenizer and corpus -> token cache -> trained checkpoints.
+
+What it reads and checks, in order: the tokenizer (`--tokenize` made it, or `--init-from`
+brings GPT-2's), the model's shape and whether it fits in memory, what `--resume` continues
+(model/training/resume.py), the corpus encoded once into the token cache
+(model/training/data.py); then the compiled step (model/training/trainer.py) runs in the loop
+(model/training/loop.py), which writes checkpoints, metrics.jsonl and the loss curve.
+
+    >>> cfg = load_config("configs/shakespeare_char.toml")               # doctest: +SKIP
+    >>> run_train(cfg, Path("runs/shakespeare_char"))["val_loss"]
+    1.47
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+
+from configs.schema import Config
+from model.network.config import ModelConfig
+from model.processes.distributed import initialize_from_env, is_primary, wait_for_primary
+from model.rundir.checkpoints import Checkpoints
+from model.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, check_run_dir
+from model.training.data import TokenSplits, load_token_splits, remove_cache_leftovers
+from model.training.loop import TrainingLoop
+from model.training.memory import check_training_memory
+from model.training.resume import (
+    check_compatible,
+    check_same_corpus,
+    check_steps_left,
+    newest_readable_meta,
+    resumed_data,
+)
+from model.training.trainer import Trainer
+from plumbing.atomic import write_atomic
+from plumbing.errors import UsageError
+from plumbing.hashing import file_sha256
+from tokenizer import Tokenizer, load_tokenizer
+from tokenizer.corpus import corpus_for
+
+
+def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
+    """Train the model of `cfg` on the run's tokenizer and corpus; returns the final metrics.
+
+    The caller holds the run directory's lock (model.rundir.lock): this is its only writer.
+    """
+    run_dir = Path(run_dir)
+    tokenizer = _run_tokenizer(cfg, run_dir, resume)
+    initialize_from_env()  # several processes: meet the others before JAX starts
+    tokenizer_sha = file_sha256(run_dir / TOKENIZER_FILE)
+    model_cfg = _model_config(cfg, tokenizer)
+    # A model too big for this machine: one line now, not an out-of-memory traceback later.
+    check_training_memory(model_cfg, cfg.train.micro_batch, cfg.train.fsdp)
+    checkpoints = Checkpoints(run_dir)
+    try:
+        if is_primary():  # what a killed run left: orbax temp dirs, cache temp files
+            checkpoints.remove_leftovers()
+            remove_cache_leftovers(run_dir)
+        saved = newest_readable_meta(checkpoints, run_dir) if resume else None
+        if saved is not None:
+            cfg = dataclasses.replace(cfg, data=resumed_data(cfg.data, saved))
+            check_compatible(saved, model_cfg, tokenizer_sha)
+        corpus = corpus_for(cfg.data)
+        if saved is not None:
+            check_same_corpus(saved, corpus)
+        splits = load_token_splits(
+            corpus, tokenizer, run_dir / TOKENIZER_FILE, run_dir, cfg.data.val_fraction,
+            tokenizer_sha,
+        )  # fmt: skip
+        trainer = Trainer(cfg.train, model_cfg)
+        start_step = _starting_weights(trainer, checkpoints, cfg, resume)
+        _print_summary(trainer, splits, start_step)
+        meta = {
+            "config": _resolved(cfg, model_cfg),
+            "tokenizer_sha256": tokenizer_sha,
+            "corpus_fingerprint": corpus.fingerprint,
+        }
+        # Written only now that everything has been checked: a failing --train leaves it alone.
+        if is_primary():  # several processes: process 0 writes the run's files
+            write_atomic(run_dir / CONFIG_FILE, json.dumps(meta["config"], indent=2))
+        return TrainingLoop(trainer, splits, checkpoints, run_dir, start_step, meta).run()
+    finally:
+        checkpoints.close()
+
+
+def _run_tokenizer(cfg: Config, run_dir: Path, resume: bool) -> Tokenizer:
+    """The run directory's tokenizer; fine-tuning GPT-2 first saves GPT-2's there."""
+    tok_path = run_dir / TOKENIZER_FILE
+    if cfg.init_from and not resume:
+        from model.interop.hf_import import save_hf_tokenizer
+
+        check_run_dir(run_dir, tokenize=False, train=True, resume=resume)
+        if is_primary():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_hf_tokenizer(cfg.init_from, tok_path, cfg.model)
+        else:  # several processes: process 0 writes it
+            wait_for_primary(lambda: tok_path if tok_path.is_file() else None, str(tok_path))
+    if not tok_path.is_file():
+        raise UsageError(
+            f"no tokenizer in {run_dir}: run --tokenize first (python tinyllm.py --tokenize "
+            f"--train ...) or point --out at a run directory that has one"
+        )
+    check_run_dir(run_dir, tokenize=False, train=True, resume=resume)
+    return load_tokenizer(tok_path)
+
+
+def _model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
+    """The config's model for the run's vocabulary; with --init-from, the checkpoint's shape."""
+    if cfg.init_from:
+        from model.interop.hf_import import hf_model_config
+
+        return hf_model_config(cfg.init_from, cfg.model)
+    return cfg.model.for_vocab(tokenizer.vocab_size)
+
+
+def _starting_weights(trainer: Trainer, checkpoints: Checkpoints, cfg: Config, resume: bool) -> int:
+    """Put the weights training starts from into `trainer`: the newest intact checkpoint
+    (--resume), GPT-2's (--init-from) or the fresh initialisation. Returns the step."""
+    if resume:
+        step, (trainer.params, trainer.opt_state, _) = checkpoints.restore_newest(
+            lambda step: checkpoints.restore(step, trainer.params, trainer.opt_state)
+        )
+        check_steps_left(step, cfg.train.max_steps)
+        return step
+    if cfg.init_from:
+        from model.interop.hf_import import load_hf_params
+
+        trainer.params = load_hf_params(cfg.init_from, trainer.params)
+    return 0
+
+
+def _print_summary(trainer: Trainer, splits: TokenSplits, start_step: int) -> None:
+    device = jax.devices()[0]
+    qat = trainer.train_cfg.qat_bits
+    print(
+        f"train: {trainer.n_params / 1e6:.2f}M parameters, {len(splits.train):,} train / "
+        f"{len(splits.val):,} val tokens, {jax.device_count()} x {device.device_kind} "
+        f"({device.platform}), compute {trainer.model_cfg.dtype}"
+        + (f", QAT int{qat}" if qat else "")
+        + (f"; resuming at step {start_step}" if start_step else ""),
+        file=sys.stderr,
+    )
+
+
+def _resolved(cfg: Config, model_cfg: ModelConfig) -> dict:
+    """The config as the checkpoint records it: the model's vocabulary filled in, and input
+    paths absolute, so a resumed run finds its files from any working directory."""
+    out = cfg.to_dict()
+    out["model"] = dataclasses.asdict(model_cfg)
+    out["data"]["input"] = [str(Path(p).resolve()) for p in cfg.data.input]
+    return out

@@ -1,0 +1,12 @@
+"""Training the GPT (the --train stage, model/train_stage.py, runs these).
+
+config.py    TrainConfig: the [train] section
+data.py      the token cache and the batches drawn from it
+trainer.py   model and optimizer state on the mesh, the compiled step, evaluation
+loop.py      the loop: logging, evaluation, checkpoints, stopping on a signal
+optim.py     AdamW with warmup + cosine decay
+metrics.py   metrics.jsonl, bits per byte, MFU, the loss curve
+memory.py    will a run fit? checked before anything is allocated
+resume.py    what --resume checks and carries over
+errors.py    TrainingDiverged
+"""

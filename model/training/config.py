@@ -1,0 +1,84 @@
+"""The `[train]` section of a run's config: batch, schedule, optimizer, evaluation, QAT.
+
+>>> TrainConfig(batch_size=12, grad_accum=3).validate().micro_batch
+4
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Self
+
+from model.processes.cpu_devices import check_cpu_devices
+from plumbing import checks
+from plumbing.errors import UsageError
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 12  # sequences per optimizer step (all devices together)
+    max_steps: int = 2000
+    learning_rate: float = 1e-3  # peak, after warmup
+    min_lr: float = 1e-4  # end of the cosine decay
+    warmup_steps: int = 100
+    lr_decay_steps: int = 0  # cosine length; 0 = max_steps
+    weight_decay: float = 0.1  # matrices only
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # global norm; 0 = off
+    grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
+    eval_interval: int = 250  # steps between validation runs (and checkpoints)
+    eval_steps: int = 200  # validation batches per evaluation
+    log_interval: int = 10
+    checkpoint_interval: int = 0  # 0 = at every eval
+    seed: int = 1337
+    qat_bits: int = 0  # quantization-aware training: 0 = off, 8 or 4
+    quant_group_size: int = 64  # int4: input rows per scale (QAT, export); last group may be short
+    fsdp: bool = False  # shard parameters over the data axis too (ZeRO-3 style)
+    # On CPU: data-parallel devices, 0 = one per core (model/processes/cpu_devices.py).
+    cpu_devices: int = 0
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per forward pass: batch_size / grad_accum."""
+        return self.batch_size // self.grad_accum
+
+    def validate(self) -> Self:
+        """Raise UsageError naming the first bad value; return self if all are good.
+
+        Counts are integers in 1..2**31-1 (0 allowed where it means "off"), the seed in
+        0..2**32-1, every float finite and in its own range (betas in [0, 1), a positive
+        learning rate, min_lr <= learning_rate).
+        """
+        for key in ("batch_size", "max_steps", "grad_accum", "eval_interval", "eval_steps"):
+            checks.positive(f"train.{key}", getattr(self, key))
+        checks.positive("train.log_interval", self.log_interval)
+        checks.positive("train.quant_group_size", self.quant_group_size)
+        for key in ("warmup_steps", "lr_decay_steps", "weight_decay", "grad_clip"):
+            checks.non_negative(f"train.{key}", getattr(self, key))
+        checks.non_negative("train.checkpoint_interval", self.checkpoint_interval)
+        checks.non_negative("train.min_lr", self.min_lr)
+        if not 0 <= self.seed <= checks.SEED_MAX:
+            raise UsageError(
+                f"train.seed must be in 0..{checks.SEED_MAX} (2**32-1), got {self.seed}"
+            )
+        checks.finite("train.learning_rate", self.learning_rate)
+        if self.learning_rate <= 0:
+            raise UsageError(f"train.learning_rate must be positive, got {self.learning_rate}")
+        if self.min_lr > self.learning_rate:
+            raise UsageError(
+                f"train.min_lr ({self.min_lr}) must not exceed train.learning_rate "
+                f"({self.learning_rate})"
+            )
+        for key, value in {"train.beta1": self.beta1, "train.beta2": self.beta2}.items():
+            if not 0 <= value < 1:  # also false for NaN
+                raise UsageError(f"{key} must be in [0, 1), got {value}")
+        if self.batch_size % self.grad_accum:
+            raise UsageError(
+                f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "
+                f"({self.grad_accum})"
+            )
+        check_cpu_devices(self.cpu_devices, self.micro_batch)
+        if self.qat_bits not in (0, 4, 8):
+            raise UsageError(f"train.qat_bits must be 0 (off), 8 or 4, got {self.qat_bits}")
+        return self

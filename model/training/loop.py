@@ -1,0 +1,203 @@
+"""The training loop: steps, logging, evaluation, checkpoints, and stopping on a signal.
+
+The loop never waits on the device except when it logs (metrics are fetched one step late, so
+the next step is already dispatched), evaluates or checkpoints. SIGINT and SIGTERM are
+requests to stop (plumbing.signals): the loop finishes the step (and an evaluation under
+way), saves a checkpoint unless this step is saved already, and raises `Stopped` (exit 130 /
+143). A step is never saved twice. A NaN or infinite loss raises `TrainingDiverged` before
+anything is saved, so the last good checkpoint stays the newest.
+
+    >>> loop = TrainingLoop(trainer, splits, checkpoints, run_dir, 0, meta)  # doctest: +SKIP
+    >>> loop.run()["val_loss"]
+    2.4
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+
+from model.network.gpt import flops_per_token
+from model.processes.distributed import stop_agreed
+from model.rundir.checkpoints import Checkpoints
+from model.training.data import TokenSplits
+from model.training.errors import TrainingDiverged
+from model.training.metrics import MetricsLog, bits_per_byte, peak_flops, plot_losses
+from model.training.trainer import Trainer
+from plumbing.progress import ProgressBar
+from plumbing.signals import Stopped, StopRequests
+
+
+@dataclass
+class LoopState:
+    """What the loop carries from one step to the next."""
+
+    step: int  # steps trained so far
+    saved_step: int | None  # the newest step on disk (a resumed run's first step is)
+    rate_since: tuple[float, int]  # (time, step) the next tokens/s figure is measured from
+    pending: tuple[int, dict] | None = None  # (step, metrics still on the device)
+    record: dict = field(default_factory=dict)  # the newest logged train (and eval) values
+
+
+class TrainingLoop:
+    """Runs `trainer` from `start_step` to train.max_steps; `meta` (resolved config, tokenizer
+    hash, corpus fingerprint) goes with each checkpoint."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        splits: TokenSplits,
+        checkpoints: Checkpoints,
+        run_dir: Path,
+        start_step: int,
+        meta: dict,
+    ) -> None:
+        self.trainer, self.splits, self.checkpoints = trainer, splits, checkpoints
+        self.cfg = trainer.train_cfg
+        self.run_dir, self.meta = Path(run_dir), meta
+        self.tokens_per_step = self.cfg.batch_size * trainer.model_cfg.block_size
+        self.flops_per_step = flops_per_token(trainer.model_cfg) * self.tokens_per_step
+        self.peak = peak_flops(jax.devices()[0].device_kind)
+        self.log = MetricsLog(self.run_dir, start_step if start_step else None)
+        self.bar = ProgressBar(self.cfg.max_steps, "train", start=start_step)
+        self.t0 = time.perf_counter()
+        self.state = LoopState(start_step, start_step or None, (self.t0, start_step))
+
+    def run(self) -> dict:
+        """Train to the end (or to a stop); returns the last logged record."""
+        with StopRequests() as stop:
+            try:
+                stopped_early = self._train(stop)
+                if stopped_early or stop.requested is not None:
+                    self._stop(stop)
+                with stop.critical():
+                    self.checkpoints.wait()
+            except TrainingDiverged as err:
+                if self.state.saved_step is None:
+                    raise TrainingDiverged(
+                        str(err).split(": training stopped")[0]
+                        + ": training stopped; no checkpoint had been saved yet (lower "
+                        "train.learning_rate or raise train.warmup_steps)"
+                    ) from None
+                raise
+            finally:
+                self.log.close()
+        return self._finish()
+
+    def _train(self, stop: StopRequests) -> bool:
+        """Step until train.max_steps; True when every process agreed to stop before it."""
+        t, s, trainer = self.cfg, self.state, self.trainer
+        checkpoint_every = t.checkpoint_interval or t.eval_interval
+        while s.step < t.max_steps:
+            # With several processes all stop at the same step: a signal may reach only one of
+            # them, and the checkpoint that follows is collective.
+            if stop_agreed(stop.requested is not None, s.step, t.log_interval):
+                return True
+            x, y = trainer.batch(self.splits.train, s.step)
+            trainer.params, trainer.opt_state, metrics = trainer.train_step(
+                trainer.params, trainer.opt_state, x, y, s.step
+            )
+            s.step += 1
+            self._flush()  # the previous log step's metrics: ready by now, this hardly waits
+            if s.step % t.log_interval == 0 or s.step == t.max_steps:
+                s.pending = (s.step, metrics)
+            is_eval = s.step % t.eval_interval == 0 or s.step == t.max_steps
+            if is_eval or s.step % checkpoint_every == 0:
+                self._flush()  # the NaN check, before anything is saved
+                if is_eval:
+                    self._evaluate()
+                self._save(stop)
+        return False
+
+    def _flush(self) -> None:
+        """Fetch, check and log the pending step's metrics."""
+        if self.state.pending is None:
+            return
+        record = self._train_record(*self.state.pending)
+        self.state.pending, self.state.record = None, record
+        self.log.write(record)
+        status = f"loss {record['train_loss']:.4f} {record['tokens_per_sec']:,.0f} tok/s"
+        self.bar.advance_to(record["step"], status)
+
+    def _train_record(self, step: int, metrics: dict) -> dict:
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not all(math.isfinite(v) for v in values.values()):
+            raise TrainingDiverged(
+                f"the loss became {values['loss']} at step {step}: training stopped; the last "
+                "good checkpoint is kept (lower train.learning_rate or raise train.warmup_steps)"
+            )
+        now = time.perf_counter()
+        since_time, since_step = self.state.rate_since
+        tok_s = (step - since_step) * self.tokens_per_step / max(now - since_time, 1e-9)
+        self.state.rate_since = (now, step)
+        record = {
+            "step": step,
+            "train_loss": values.pop("loss"),
+            "tokens_per_sec": round(tok_s, 1),
+            "elapsed_s": round(now - self.t0, 3),
+            **values,
+        }
+        if self.peak:
+            flops_s = tok_s / self.tokens_per_step * self.flops_per_step
+            record["mfu"] = round(flops_s / self.peak / jax.device_count(), 4)
+        return record
+
+    def _evaluate(self) -> None:
+        step = self.state.step
+        val_loss = self.trainer.evaluate(self.splits)
+        if not math.isfinite(val_loss):
+            raise TrainingDiverged(
+                f"the validation loss became {val_loss} at step {step}: training stopped; the "
+                "last good checkpoint is kept"
+            )
+        record = {
+            "step": step,
+            "val_loss": val_loss,
+            "val_bpb": bits_per_byte(val_loss, self.splits.val_bytes_per_token),
+            "elapsed_s": round(time.perf_counter() - self.t0, 3),
+        }
+        self.log.write(record)
+        self.bar.message(f"step {step}: val loss {val_loss:.4f}, val bpb {record['val_bpb']:.4f}")
+        self.state.record.update(record)
+        # Evaluation is not training throughput: the next figure's clock starts now.
+        self.state.rate_since = (time.perf_counter(), self.state.rate_since[1])
+
+    def _save(self, stop: StopRequests) -> None:
+        s = self.state
+        if s.saved_step == s.step:
+            return
+        with stop.critical():
+            trainer = self.trainer
+            meta = {**self.meta, "step": s.step}
+            self.checkpoints.save(s.step, trainer.params, trainer.opt_state, meta)
+        s.saved_step = s.step
+
+    def _stop(self, stop: StopRequests) -> None:
+        """Save where the loop stands and raise `Stopped`, naming the signal and what was kept."""
+        self._flush()
+        self._save(stop)
+        with stop.critical():
+            self.checkpoints.wait()
+        signum = stop.requested or signal.SIGINT  # another process's signal
+        step = self.state.step
+        if self.state.saved_step is None:
+            kept = "no step was trained, nothing saved"
+        else:
+            more = "; --resume continues" if step < self.cfg.max_steps else " (the last step)"
+            kept = f"saved a checkpoint at step {step}{more}"
+        raise Stopped(signum, f"interrupted by {signal.Signals(signum).name}: {kept}")
+
+    def _finish(self) -> dict:
+        plot = plot_losses(self.run_dir)
+        record = self.state.record
+        self.bar.message(
+            f"train: done, {self.state.step} steps in {time.perf_counter() - self.t0:.1f} s; "
+            f"final val loss {record.get('val_loss', math.nan):.4f}, val bpb "
+            f"{record.get('val_bpb', math.nan):.4f}" + (f"; loss curve {plot}" if plot else "")
+        )
+        return record

@@ -1,0 +1,109 @@
+"""What `--resume` checks and carries over: the newest checkpoint's record must match the
+model, tokenizer and corpus of the run being continued, and the run's data settings stay the
+ones it was trained on.
+
+    >>> check_steps_left(100, max_steps=200)  # 100 steps to go: no error
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from model.network.config import IMPLEMENTATION_FIELDS, ModelConfig, model_config_of
+from model.rundir.checkpoints import CheckpointDamaged, Checkpoints
+from plumbing.errors import UsageError
+from plumbing.typed_data import from_plain
+from tokenizer.config import DataConfig
+from tokenizer.corpus import Corpus
+
+
+def newest_readable_meta(checkpoints: Checkpoints, run_dir: Path) -> dict:
+    """The record of the newest checkpoint whose record reads (restoring checks the rest)."""
+    for step in checkpoints.steps():
+        try:
+            return checkpoints.read_meta(step)
+        except CheckpointDamaged:
+            continue
+    if checkpoints.steps():
+        return checkpoints.restore_newest(checkpoints.read_meta)[1]  # raises: none intact
+    raise UsageError(f"--resume: no checkpoint in {run_dir}; train without --resume")
+
+
+def check_steps_left(step: int | None, max_steps: int) -> None:
+    if step is not None and step >= max_steps:
+        raise UsageError(
+            f"--resume: the checkpoint is at step {step}, train.max_steps is {max_steps}; "
+            "raise train.max_steps to train further"
+        )
+
+
+def check_compatible(meta: dict, model_cfg: ModelConfig, tokenizer_sha: str) -> None:
+    """A resumed or sampled model must match the checkpoint's shape and tokenizer."""
+    saved = model_config_of(meta["config"])
+    if meta.get("tokenizer_sha256") != tokenizer_sha:
+        raise UsageError(
+            "the run directory's tokenizer changed since this checkpoint was trained; "
+            "retrain (new --out) or restore the tokenizer"
+        )
+    if model_cfg.block_size > saved.block_size:
+        raise UsageError(
+            f"model.block_size {model_cfg.block_size} is above the trained model's "
+            f"{saved.block_size}"
+        )
+    for field in dataclasses.fields(ModelConfig):
+        ours, theirs = getattr(model_cfg, field.name), getattr(saved, field.name)
+        if ours != theirs and field.name not in IMPLEMENTATION_FIELDS:
+            raise UsageError(
+                f"model.{field.name} is {theirs!r} in the checkpoint but {ours!r} now; "
+                "drop the override or train a new run"
+            )
+
+
+_DATA_FIELDS = ("input", "dataset", "dataset_config", "split", "text_field", "val_fraction")
+
+
+def resumed_data(data: DataConfig, meta: dict) -> DataConfig:
+    """`data` with the settings the checkpoint was trained on: one left at its default takes
+    the run's value; one given (a flag, an override) must equal it (UsageError)."""
+    saved = from_plain(DataConfig, meta["config"].get("data", {}), "data.")
+    default = DataConfig()
+    merged = {}
+    for name in _DATA_FIELDS:
+        ours, theirs = getattr(data, name), getattr(saved, name)
+        if ours == getattr(default, name):
+            merged[name] = theirs
+        elif _normalized(name, ours) != _normalized(name, theirs):
+            raise UsageError(
+                f"--resume: this run was trained on {_describe_data(saved)}, but data.{name} "
+                f"is now {ours!r}: drop it to continue on the run's data, or train a new run "
+                "(another --out)"
+            )
+        else:
+            merged[name] = ours
+    return dataclasses.replace(data, **merged)
+
+
+def check_same_corpus(meta: dict, corpus: Corpus) -> None:
+    """A resumed run must read the text it was trained on (the token cache would otherwise be
+    rebuilt from other text and the validation split would move)."""
+    saved = meta.get("corpus_fingerprint")
+    if saved is not None and saved != corpus.fingerprint:
+        raise UsageError(
+            f"--resume: the corpus {corpus.name} changed since the checkpoint was saved (its "
+            "size or modification time differ): restore it, or train a new run (another --out)"
+        )
+
+
+def _normalized(name: str, value):
+    if name == "input":
+        return [str(Path(p).resolve()) for p in value]
+    return value
+
+
+def _describe_data(data) -> str:
+    if data.input:
+        return "--input " + " ".join(data.input)
+    if data.dataset:
+        return f"--dataset {data.dataset}"
+    return "Shakespeare's plays (the default corpus)"

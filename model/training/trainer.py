@@ -1,0 +1,176 @@
+"""The model and optimizer state on the device mesh, the compiled train step, evaluation.
+
+One jitted step (donated params and optimizer state, gradient accumulation as a scan over
+micro-batches) runs on a 1-D `data` mesh (model/processes/mesh.py). Everything random is a
+function of (seed, step), so a resumed run replays the uninterrupted one.
+
+    >>> from model.network.config import ModelConfig
+    >>> from model.training.config import TrainConfig
+    >>> cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    >>> trainer = Trainer(TrainConfig(batch_size=4), cfg)
+    >>> x, y = trainer.batch(np.arange(200, dtype=np.uint16) % 64, step=0)
+    >>> params, opt_state, metrics = trainer.train_step(trainer.params, trainer.opt_state, x, y, 0)
+    >>> sorted(metrics)
+    ['grad_norm', 'loss']
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from model.network.config import ModelConfig
+from model.network.gpt import GPT, count_params
+from model.processes.mesh import (
+    batch_sharding,
+    check_batch_divisible,
+    data_mesh,
+    param_shardings,
+    place_on_mesh,
+    put_batch,
+)
+from model.quantization.kernels import fake_quant_tree
+from model.training.config import TrainConfig
+from model.training.data import TokenSplits, sample_batch
+from model.training.optim import make_optimizer
+from plumbing.errors import UsageError
+
+
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in nats (fp32 logits): logsumexp minus the target logit.
+
+    The target logit is picked with a one-hot product rather than an indexed gather, so the
+    gradient is softmax - one_hot with no scatter (a scatter is slow on XLA:CPU; the values
+    are optax.softmax_cross_entropy_with_integer_labels' to float32 rounding, tested).
+    """
+    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+    one_hot_BxTxV = jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)
+    target_BxT = jnp.sum(logits_BxTxV * one_hot_BxTxV, axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits_BxTxV, axis=-1) - target_BxT)
+
+
+def evaluate_windows(model: GPT, tokens: np.ndarray, rows: int = 64) -> float:
+    """Mean loss of `model` over every non-overlapping block_size window of `tokens`, in order.
+
+    Deterministic and exact where `Trainer.evaluate` samples `eval_steps` random batches (as
+    nanoGPT's estimate_loss does): for comparing runs whose sampled figures differ by noise.
+    """
+    t = model.cfg.block_size
+    starts = np.arange(0, len(tokens) - t, t)
+    if len(starts) == 0:
+        raise UsageError(f"{len(tokens)} tokens hold no window of {t} + 1")
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def window_loss(state, x_BxT, y_BxT):
+        return cross_entropy(nnx.merge(graphdef, state)(x_BxT), y_BxT)
+
+    total = 0.0
+    for i in range(0, len(starts), rows):
+        windows = np.stack([tokens[o : o + t + 1] for o in starts[i : i + rows]])
+        x, y = (jnp.asarray(a, jnp.int32) for a in (windows[:, :-1], windows[:, 1:]))
+        total += float(window_loss(state, x, y)) * len(windows)
+    return total / len(starts)
+
+
+class Trainer:
+    """Model + optimizer state on the mesh, the compiled step, evaluation."""
+
+    def __init__(self, train_cfg: TrainConfig, model_cfg: ModelConfig):
+        self.train_cfg, self.model_cfg = train_cfg, model_cfg
+        t = train_cfg
+        self.mesh = data_mesh()
+        self.micro_batch = t.micro_batch
+        check_batch_divisible(self.micro_batch, self.mesh)
+        model = GPT(model_cfg, rngs=nnx.Rngs(params=t.seed))
+        self.n_params = count_params(model)
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        shardings = param_shardings(params, self.mesh, t.fsdp)
+        self.params = jax.device_put(params, shardings)
+        self.tx = make_optimizer(t)
+        self.opt_state = place_on_mesh(jax.jit(self.tx.init)(self.params), self.mesh)
+        self.batch_sharding = batch_sharding(self.mesh)
+        self.train_step = self._compile_step()
+        self.eval_step = jax.jit(self._eval_loss)
+
+    # -- the compiled functions ------------------------------------------------------------
+
+    def _weights(self, params):
+        """The weights the forward pass uses: under QAT, linear kernels fake-quantized with a
+        straight-through estimator (gradients reach the float params unchanged)."""
+        t = self.train_cfg
+        return fake_quant_tree(params, t.qat_bits, t.quant_group_size) if t.qat_bits else params
+
+    def _loss(self, params, x_BxT, y_BxT, key):
+        model = nnx.merge(self.graphdef, self._weights(params), self.rest)
+        dropout = self.model_cfg.dropout > 0
+        rngs = nnx.Rngs(dropout=key) if dropout else None
+        logits, aux = model.forward_with_aux(x_BxT, deterministic=not dropout, rngs=rngs)
+        ce = cross_entropy(logits, y_BxT)
+        # Auxiliary entries named *_loss (MoE load balance, router z-loss) come already
+        # weighted and join the objective; others (e.g. dropped-token counts) are only logged.
+        total = ce + sum((v for k, v in aux.items() if k.endswith("_loss")), jnp.float32(0))
+        return total, (ce, aux)
+
+    def _compile_step(self):
+        seed = self.train_cfg.seed
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def step(params, opt_state, x_AxBxT, y_AxBxT, step):
+            key = jax.random.fold_in(jax.random.key(seed), step)
+
+            def micro(grads_acc, inputs):
+                x, y, i = inputs
+                (_, (ce, aux)), grads = grad_fn(params, x, y, jax.random.fold_in(key, i))
+                grads_acc = jax.tree_util.tree_map(jnp.add, grads_acc, grads)
+                return grads_acc, (ce, aux)
+
+            n_micro = x_AxBxT.shape[0]
+            if n_micro == 1:  # no accumulation: a scan of one would only cost XLA fusions
+                (_, (ce, aux)), grads = grad_fn(
+                    params, x_AxBxT[0], y_AxBxT[0], jax.random.fold_in(key, 0)
+                )
+                ce, aux = ce[None], {k: v[None] for k, v in aux.items()}
+            else:
+                zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+                grads, (ce, aux) = jax.lax.scan(
+                    micro, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro))
+                )
+                grads = jax.tree_util.tree_map(lambda g: g / n_micro, grads)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            metrics = {"loss": ce.mean(), "grad_norm": optax.tree.norm(grads)}
+            metrics.update({k: v.mean() for k, v in aux.items()})
+            return params, opt_state, metrics
+
+        # Donation lets XLA update params and Adam moments in place.
+        return jax.jit(step, donate_argnums=(0, 1))
+
+    def _eval_loss(self, params, x_BxT, y_BxT):
+        model = nnx.merge(self.graphdef, self._weights(params), self.rest)
+        logits, _ = model.forward_with_aux(x_BxT, deterministic=True)
+        return cross_entropy(logits, y_BxT)
+
+    # -- host side -------------------------------------------------------------------------
+
+    def batch(self, tokens: np.ndarray, step: int, stream: int = 0, rows: int | None = None):
+        t = self.train_cfg
+        rows = rows or t.batch_size
+        x, y = sample_batch(tokens, rows, self.model_cfg.block_size, t.seed, step, stream)
+        accum = t.grad_accum if rows == t.batch_size else 1
+        shape = (accum, rows // accum, x.shape[1])
+        return (
+            put_batch(x.reshape(shape), self.batch_sharding),
+            put_batch(y.reshape(shape), self.batch_sharding),
+        )
+
+    def evaluate(self, splits: TokenSplits) -> float:
+        """Mean validation loss over `eval_steps` fixed batches (the same at every eval)."""
+        total = jnp.float32(0)
+        for i in range(self.train_cfg.eval_steps):
+            x, y = self.batch(splits.val, i, stream=1, rows=self.micro_batch)
+            total = total + self.eval_step(self.params, x[0], y[0])
+        return float(total) / self.train_cfg.eval_steps

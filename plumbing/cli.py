@@ -1,0 +1,64 @@
+"""Command lines that answer a user's mistake in one line: `NAME: error: WHAT (fix)`, exit 2.
+
+`tinyllm.py` and every script parse their arguments with `OneLineParser`, and report user
+errors (`UsageError`) and filesystem refusals (a full or read-only disk) with `one_line_errors`.
+
+    >>> parser = OneLineParser(prog="quantize.py")
+    >>> _ = parser.add_argument("--bits", type=int, required=True)
+    >>> parser.parse_args(["--bits", "4"]).bits
+    4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from plumbing.errors import UsageError
+
+
+def command_name(prog: str) -> str:
+    """`quantize.py` -> `quantize`: how a tool names itself in its error lines."""
+    return Path(prog).stem
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit code 2 (no usage block)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{command_name(self.prog)}: error: {printable(message)} (see --help)\n")
+        sys.exit(2)
+
+
+def printable(text: str) -> str:
+    """`text` safe for any stream: bytes that were not UTF-8 on the command line (surrogate
+    escapes) shown as \\xNN instead of failing to print."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def os_error_line(err: OSError) -> str:
+    """`[Errno 28] No space left on device: 'runs/x/tokens.bin'` as a sentence with a fix."""
+    what = err.strerror or type(err).__name__
+    paths = [p for p in (err.filename, err.filename2) if p is not None]
+    where = " -> ".join(os.fsdecode(p) if isinstance(p, bytes) else str(p) for p in paths)
+    return (
+        f"{what}: {where}" if where else what
+    ) + " (check the path, its permissions and free space; --debug shows the traceback)"
+
+
+@contextlib.contextmanager
+def one_line_errors(name: str, debug: bool = False) -> Iterator[None]:
+    """Turn a UsageError or an OSError raised in the block into one line on stderr and
+    `SystemExit(2)`; with `debug`, let it raise with its traceback."""
+    try:
+        yield
+    except (UsageError, OSError) as err:
+        if debug or isinstance(err, BrokenPipeError):
+            raise
+        line = str(err) if isinstance(err, UsageError) else os_error_line(err)
+        sys.stderr.write(f"{name}: error: {printable(line)}\n")
+        raise SystemExit(2) from None

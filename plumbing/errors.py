@@ -1,0 +1,12 @@
+"""The project-wide user-error type.
+
+`tinyllm.py` and the scripts catch it and print one line on stderr with exit code 2; anything
+else is a bug and keeps its traceback.
+
+    >>> str(UsageError("model.n_layer must be positive, got 0"))
+    'model.n_layer must be positive, got 0'
+"""
+
+
+class UsageError(ValueError):
+    """A mistake the user can fix: bad input, a missing file, a bad config value."""

@@ -1,0 +1,590 @@
+"""GPT-2 in and out: the model options GPT-2 needs, Hugging Face GPT-2 checkpoints loaded with
+transformers' logits, --init-from for inference and fine-tuning, export that transformers
+loads with our logits and greedy text, and one-line refusals. Nothing is downloaded: the
+GPT-2 checkpoints are tiny random ones built here with transformers (skipped without it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import tinyllm
+from configs.schema import config_from_dict, load_config
+from model.interop.hf_export import export_run
+from model.interop.hf_format import EOT, check_exportable
+from model.interop.hf_import import load_hf_gpt2
+from model.network.config import ModelConfig
+from model.network.gpt import count_params, flops_per_token
+from model.network.layers import make_norm
+from model.rundir.trained import open_trained_run
+from model.training.resume import check_compatible
+from plumbing.atomic import dir_mode
+from plumbing.errors import UsageError
+from tests.test_quant import assert_one_line_error
+from tests.tiny_models import TINY, forward, random_tokens, tiny_model
+from tests.tiny_runs import TINY_TRAIN
+from tokenizer import BPETokenizer, CharTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
+
+_spec = importlib.util.spec_from_file_location("export_hf_script", ROOT / "scripts/export_hf.py")
+export_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(export_script)
+
+
+# -- the model options GPT-2 needs (no transformers needed) ----------------------------------
+
+
+def test_defaults_reproduce_the_previous_model_and_old_configs_load():
+    cfg = ModelConfig()
+    assert (cfg.gelu, cfg.norm_eps, cfg.tie_embeddings, cfg.attention) == (
+        "exact",
+        1e-5,
+        True,
+        "auto",
+    )
+    old = load_config(None).to_dict()  # a config saved before these fields existed
+    for key in ("gelu", "norm_eps", "tie_embeddings", "attention"):
+        del old["model"][key]
+    assert config_from_dict(old).model == load_config(None).model
+
+
+def test_gelu_forms():
+    x = jnp.linspace(-4.0, 4.0, 101)
+    exact = tiny_model(gelu="exact").blocks[0].mlp.gelu(x)
+    tanh = tiny_model(gelu="tanh").blocks[0].mlp.gelu(x)
+    gelu_new = 0.5 * x * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+    np.testing.assert_allclose(tanh, gelu_new, atol=1e-6)  # Hugging Face's gelu_new
+    np.testing.assert_allclose(exact, jax.nn.gelu(x, approximate=False), atol=1e-6)
+    assert float(jnp.max(jnp.abs(exact - tanh))) > 1e-4
+    with pytest.raises(UsageError, match=r"model\.gelu must be one of exact, tanh"):
+        dataclasses.replace(TINY, gelu="fast").validate()
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_norm_eps_reaches_the_norms(norm):
+    cfg = dataclasses.replace(TINY, norm=norm, norm_eps=0.25)
+    layer = make_norm(cfg, rngs=nnx.Rngs(0))
+    assert layer.epsilon == 0.25
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 32)) * 0.1, jnp.float32)
+    centred = x - x.mean(-1, keepdims=True) if norm == "layernorm" else x
+    var = jnp.mean(centred**2, -1, keepdims=True)
+    np.testing.assert_allclose(layer(x), centred / jnp.sqrt(var + 0.25), atol=1e-6)
+    for bad in (0.0, -1e-5, 1.0):
+        with pytest.raises(UsageError, match=r"model\.norm_eps"):
+            dataclasses.replace(TINY, norm_eps=bad).validate()
+
+
+def test_untied_embeddings_add_an_output_layer():
+    tied, untied = tiny_model(), tiny_model(tie_embeddings=False)
+    assert untied.lm_head.kernel.shape == (TINY.n_embd, TINY.vocab_size)
+    assert count_params(untied) == count_params(tied) + TINY.n_embd * TINY.vocab_size
+    tokens = random_tokens(2, 8)
+    graphdef, state = nnx.split(untied)
+    hidden_fn = jax.jit(lambda s, t: nnx.merge(graphdef, s).hidden_states(t))
+    hidden = hidden_fn(state, tokens)
+    np.testing.assert_allclose(
+        forward(untied, tokens), hidden @ untied.lm_head.kernel[...], rtol=1e-5, atol=1e-5
+    )
+    # the lookup table does no matmul once untied: FLOPs count the output layer once
+    assert flops_per_token(dataclasses.replace(TINY, tie_embeddings=False)) == flops_per_token(TINY)
+
+
+def test_check_compatible_skips_attention_but_not_architecture():
+    saved = load_config(None, ["model.vocab_size=64"]).to_dict()
+    meta = {"config": saved, "tokenizer_sha256": "x"}
+    model_cfg = config_from_dict(saved).model
+    check_compatible(meta, dataclasses.replace(model_cfg, attention="reference"), "x")
+    for change in ({"gelu": "tanh"}, {"tie_embeddings": False}, {"norm_eps": 1e-6}):
+        with pytest.raises(UsageError, match=f"model.{next(iter(change))}"):
+            check_compatible(meta, dataclasses.replace(model_cfg, **change), "x")
+
+
+def test_export_refuses_what_gpt2_cannot_express():
+    base = dataclasses.replace(TINY)
+    check_exportable(base)
+    cases = {
+        "position": "rope",
+        "norm": "rmsnorm",
+        "mlp": "swiglu",
+        "moe_experts": 4,
+    }
+    for field, value in cases.items():
+        with pytest.raises(UsageError, match=rf"cannot express model\.{field}="):
+            check_exportable(dataclasses.replace(base, **{field: value}))
+
+
+# -- shared pieces ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """(torch, transformers), imported once for the module; skips the test without them."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    transformers.logging.set_verbosity_error()
+    return torch, transformers
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(WORDS, size=8)) for _ in range(300)]
+    path = tmp_path_factory.mktemp("data") / "words.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def bpe(corpus):
+    return BPETokenizer.train(corpus.read_text(), vocab_size=300, special_tokens=[EOT])
+
+
+def make_gpt2_dir(hf, tokenizer, directory: Path, seed: int = 0, **config) -> tuple[Path, object]:
+    """A random GPT-2 (weights wide enough that logits are far from uniform), saved with
+    save_pretrained (safetensors) beside the tokenizer's vocab.json + merges.txt."""
+    torch, transformers = hf
+    eot = tokenizer.token_to_id(EOT)
+    settings = {"n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 4, **config}
+    gpt2_config = transformers.GPT2Config(
+        vocab_size=tokenizer.vocab_size, bos_token_id=eot, eos_token_id=eot, **settings
+    )
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(gpt2_config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.3)
+            elif name.endswith("weight"):  # LayerNorm gains
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(directory)
+    tokenizer.export_gpt2_files(directory / "vocab.json", directory / "merges.txt")
+    return directory, model
+
+
+def torch_logits(hf, model, ids) -> np.ndarray:
+    torch, _ = hf
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids), dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(hf, bpe, tmp_path_factory):
+    return make_gpt2_dir(hf, bpe, tmp_path_factory.mktemp("gpt2"))
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, list[str]]:
+    """tinyllm.main in-process; (exit code, stdout, stderr lines)."""
+    try:
+        code = tinyllm.main([str(a) for a in argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, [line for line in captured.err.splitlines() if line.strip()]
+
+
+# -- GPT-2 in --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},  # GPT-2 as released: gelu_new, tied, eps 1e-5
+        {"tie_word_embeddings": False, "layer_norm_epsilon": 1e-3, "activation_function": "gelu"},
+    ],
+    ids=["gpt2", "untied-exact-gelu-eps"],
+)
+def test_logits_equal_transformers_gpt2(hf, bpe, tmp_path, config):
+    directory, reference = make_gpt2_dir(hf, bpe, tmp_path, seed=1, **config)
+    tokenizer, model = load_hf_gpt2(str(directory))
+    cfg = model.cfg
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (2, 4, 32, 32)
+    assert cfg.bias and cfg.vocab_size == bpe.vocab_size
+    assert cfg.gelu == ("exact" if config else "tanh")
+    assert cfg.norm_eps == config.get("layer_norm_epsilon", 1e-5)
+    assert cfg.tie_embeddings == config.get("tie_word_embeddings", True)
+    assert tokenizer.encode("to be or not<|endoftext|>") == bpe.encode("to be or not<|endoftext|>")
+    ids = np.random.default_rng(2).integers(0, bpe.vocab_size, (2, 32))
+    theirs = torch_logits(hf, reference, ids)
+    assert np.abs(theirs).max() > 1.0  # far from uniform: the comparison has teeth
+    np.testing.assert_allclose(forward(model, jnp.asarray(ids, jnp.int32)), theirs, atol=1e-4)
+
+
+def test_inference_samples_gpt2_directly(hf, bpe, gpt2_dir, tmp_path, capsys):
+    directory, reference = gpt2_dir
+    prompt = "to be or"
+    code, out, err = run_cli(
+        capsys,
+        "--inference",
+        "--init-from",
+        directory,
+        "--out",
+        tmp_path / "unused",
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
+    )
+    assert code == 0, err
+    torch, _ = hf
+    ids = bpe.encode(prompt)
+    eot = bpe.token_to_id(EOT)
+    with torch.no_grad():
+        greedy = reference.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=eot
+        )[0, len(ids) :].tolist()
+    assert out == prompt + bpe.decode(greedy) + "\n"
+    assert not (tmp_path / "unused").exists()  # sampling GPT-2 writes no run directory
+
+
+@pytest.mark.parametrize(
+    ("breakage", "fragment"),
+    [
+        ("no-directory", "no such directory"),
+        ("llama", "model_type 'llama' is not GPT-2"),
+        ("missing-tensor", "tensor transformer.h.1.mlp.c_fc.weight is missing"),
+        ("wrong-shape", "has shape"),
+        ("no-vocab", "vocab.json missing"),
+    ],
+)
+def test_a_directory_that_is_not_gpt2_is_one_line_and_exit_2(
+    hf, gpt2_dir, tmp_path, capsys, breakage, fragment
+):
+    bad = tmp_path / "bad"
+    if breakage != "no-directory":
+        shutil.copytree(gpt2_dir[0], bad)
+    config = json.loads((bad / "config.json").read_text()) if bad.exists() else {}
+    if breakage == "llama":
+        config["model_type"] = "llama"
+    elif breakage == "wrong-shape":
+        config["n_embd"] = 64
+    elif breakage == "missing-tensor":
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(bad / "model.safetensors")
+        del tensors["transformer.h.1.mlp.c_fc.weight"]
+        save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    elif breakage == "no-vocab":
+        (bad / "vocab.json").unlink()
+    if config:
+        (bad / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(
+        capsys, "--inference", "--init-from", bad, "--out", tmp_path / "run", "--prompt", "to"
+    )
+    assert_one_line_error(code, err, "tinyllm", fragment)
+    # fine-tuning checks it all before writing anything into the run directory
+    code, _, err = run_cli(capsys, "--train", "--init-from", bad, "--out", tmp_path / "run")
+    assert_one_line_error(code, err, "tinyllm", fragment)
+    assert not (tmp_path / "run" / "tokenizer.pkl").exists()
+
+
+def test_bfloat16_safetensors_are_read_as_float32(hf, tmp_path):
+    torch, _ = hf
+    from safetensors.torch import save_file
+
+    from model.interop.hf_format import read_safetensors
+
+    weights = torch.randn(3, 5).to(torch.bfloat16)
+    save_file({"w": weights, "b": torch.ones(2)}, str(tmp_path / "m.safetensors"))
+    tensors = read_safetensors(tmp_path / "m.safetensors")
+    assert tensors["w"].dtype == np.float32
+    np.testing.assert_array_equal(tensors["w"], weights.float().numpy())
+
+
+def test_finetune_from_gpt2_then_resume_and_sample_the_run(
+    hf, bpe, gpt2_dir, corpus, tmp_path, capsys
+):
+    directory, reference = gpt2_dir
+    run = tmp_path / "run"
+    train = [
+        "--train",
+        "--config",
+        "shakespeare_char",  # its model section is replaced by the checkpoint's
+        "--init-from",
+        directory,
+        "--input",
+        corpus,
+        "--out",
+        run,
+    ]
+    settings = [
+        "train.batch_size=2",
+        "train.warmup_steps=0",
+        "train.learning_rate=1e-9",  # tiny steps: the weights stay GPT-2's to float noise
+        "train.min_lr=1e-9",
+        "train.eval_interval=2",
+        "train.eval_steps=1",
+        "train.log_interval=1",
+    ]
+    code, _, err = run_cli(capsys, *train, *settings, "train.max_steps=2")
+    assert code == 0, err
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["init_from"] == str(directory)
+    assert (saved["model"]["n_embd"], saved["model"]["gelu"], saved["model"]["bias"]) == (
+        32,
+        "tanh",
+        True,
+    )
+    tokenizer, model, _ = open_trained_run(run).load()
+    assert tokenizer.vocab == bpe.vocab and tokenizer.merges == bpe.merges
+    ids = np.random.default_rng(3).integers(0, bpe.vocab_size, (1, 32))
+    np.testing.assert_allclose(
+        forward(model, jnp.asarray(ids, jnp.int32)), torch_logits(hf, reference, ids), atol=1e-4
+    )
+
+    code, _, err = run_cli(capsys, *train, "--resume", *settings, "train.max_steps=3")
+    assert code == 0, err
+    code, out, err = run_cli(
+        capsys, "--inference", "--out", run, "--prompt", "to be", "--max-new-tokens", "4"
+    )
+    assert code == 0 and out.startswith("to be"), err
+
+
+# -- out to Hugging Face ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["nanogpt-style", "gpt2-style-untied"])
+def trained_run(request, corpus, tmp_path_factory):
+    """A tiny BPE run trained through the CLI: our defaults (no biases, exact GELU, tied), or
+    with biases, tanh GELU, untied output layer and another epsilon."""
+    run = tmp_path_factory.mktemp("run") / request.param
+    extra = []
+    if request.param == "gpt2-style-untied":
+        extra = ["model.bias=true", "model.gelu=tanh", "model.tie_embeddings=false"]
+        extra += ["model.norm_eps=1e-3"]
+    code = tinyllm.main(
+        [
+            "--tokenize",
+            "--train",
+            "--config",
+            "shakespeare",
+            "--input",
+            str(corpus),
+            "--out",
+            str(run),
+            "--vocab-size",
+            "300",
+            *TINY_TRAIN,
+            "train.max_steps=30",
+            "train.eval_interval=30",
+            *extra,
+        ]
+    )
+    assert code == 0
+    return run
+
+
+def test_export_loads_in_transformers_with_our_logits_and_greedy_text(hf, trained_run, tmp_path):
+    torch, transformers = hf
+    out = export_run(trained_run, tmp_path / "hf")
+    assert {p.name for p in out.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "vocab.json",
+        "merges.txt",
+    }
+    assert out.stat().st_mode & 0o777 == dir_mode()  # the umask's mode, not mkdtemp's 0700
+    tokenizer, model, _ = open_trained_run(trained_run).load()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+
+    text = "to be or not to be that is the question<|endoftext|>whether tis"
+    ids = tokenizer.encode(text)
+    assert their_tokenizer(text)["input_ids"] == ids
+    np.testing.assert_allclose(
+        forward(model, jnp.asarray([ids[:16]], jnp.int32)),
+        torch_logits(hf, theirs, [ids[:16]]),
+        atol=1e-4,
+    )
+
+    from model.decoding.generate import generate_all
+
+    prompt = tokenizer.encode("the question")
+    ours = generate_all(model, prompt, max_new_tokens=10, temperature=0.0)[0].tolist()
+    eot = tokenizer.token_to_id(EOT)
+    with torch.no_grad():
+        greedy = theirs.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=eot
+        )[0, len(prompt) :].tolist()
+    ours = ours[: ours.index(eot) + 1] if eot in ours else ours  # both stop at EOT
+    assert their_tokenizer.decode(greedy) == tokenizer.decode(ours)
+    assert greedy == ours
+
+
+def test_quantized_runs_export_dequantized(hf, trained_run, tmp_path):
+    _, transformers = hf
+    from model.quantization.export import quantize_run
+
+    quantized = quantize_run(trained_run, bits=8, out_dir=tmp_path / "int8")
+    out = export_run(quantized, tmp_path / "hf")
+    _, model, _ = open_trained_run(quantized).load()  # dequantized weights
+    _, float_model, _ = open_trained_run(trained_run).load()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = np.arange(16)[None] % model.cfg.vocab_size
+    ours = np.asarray(forward(model, jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(ours, torch_logits(hf, theirs, ids), atol=1e-4)
+    assert np.abs(ours - np.asarray(forward(float_model, jnp.asarray(ids)))).max() > 1e-4
+
+
+def _fake_run(directory: Path, tokenizer, *overrides: str) -> Path:
+    """A run directory as --train leaves it, minus real weights: export must refuse before
+    reading any."""
+    cfg = load_config(None, list(overrides))
+    (directory / "checkpoints" / "1").mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(cfg.to_dict()))
+    tokenizer.save(directory / "tokenizer.pkl")
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tokenizer_kind", "fragment"),
+    [
+        (["model.position=rope"], "bpe", "model.position='rope'"),
+        (["model.norm=rmsnorm"], "bpe", "model.norm='rmsnorm'"),
+        (["model.mlp=swiglu"], "bpe", "model.mlp='swiglu'"),
+        (["model.moe_experts=4"], "bpe", "model.moe_experts=4"),
+        (["tokenizer.kind=char"], "char", "tokenizer.kind='char'"),
+        (["tokenizer.pattern=gpt4"], "bpe-gpt4", "tokenizer.pattern"),
+    ],
+)
+def test_export_script_refuses_with_one_line(
+    tmp_path, capsys, bpe, corpus, overrides, tokenizer_kind, fragment
+):
+    tokenizer = {
+        "bpe": lambda: bpe,
+        "char": lambda: CharTokenizer.train(corpus.read_text()),
+        "bpe-gpt4": lambda: BPETokenizer.train("to be or not", vocab_size=260, pattern="gpt4"),
+    }[tokenizer_kind]()
+    run = _fake_run(tmp_path / "run", tokenizer, *overrides)
+    try:
+        code = export_script.main(["--run", str(run), "--out", str(tmp_path / "hf")])
+    except SystemExit as exit_:
+        code = exit_.code
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert_one_line_error(code, lines, "export_hf", fragment, "cannot express")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_hf_bias_only_on_a_bias_free_run_is_zero(hf, trained_run, tmp_path):
+    """A model without biases exports zero biases; one with biases exports its own."""
+    from safetensors.numpy import load_file
+
+    out = export_run(trained_run, tmp_path / "hf")
+    tensors = load_file(out / "model.safetensors")
+    _, model, _ = open_trained_run(trained_run).load()
+    bias = tensors["transformer.h.0.mlp.c_fc.bias"]
+    if model.cfg.bias:
+        np.testing.assert_array_equal(bias, np.asarray(model.blocks[0].mlp.c_fc.bias[...]))
+        assert "lm_head.weight" in tensors  # untied
+    else:
+        assert not bias.any() and "lm_head.weight" not in tensors
+
+
+# -- GPT-2 as released (no weights needed: its config, tensor names and tokenizer files) -----
+
+# openai-community/gpt2's config.json, as on the hub
+GPT2_SMALL_CONFIG = {
+    "activation_function": "gelu_new",
+    "architectures": ["GPT2LMHeadModel"],
+    "attn_pdrop": 0.1,
+    "bos_token_id": 50256,
+    "embd_pdrop": 0.1,
+    "eos_token_id": 50256,
+    "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05,
+    "model_type": "gpt2",
+    "n_ctx": 1024,
+    "n_embd": 768,
+    "n_head": 12,
+    "n_layer": 12,
+    "n_positions": 1024,
+    "resid_pdrop": 0.1,
+    "summary_activation": None,
+    "summary_first_dropout": 0.1,
+    "summary_proj_to_labels": True,
+    "summary_type": "cls_index",
+    "summary_use_proj": True,
+    "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
+    "vocab_size": 50257,
+}
+
+
+def test_gpt2_small_maps_to_124m_parameters_and_the_hub_tensor_names():
+    from model.interop.hf_format import check_tensor_shapes, model_config_from_hf
+    from model.network.params import abstract_model
+
+    cfg = model_config_from_hf(GPT2_SMALL_CONFIG)
+    assert (cfg.gelu, cfg.bias, cfg.tie_embeddings, cfg.block_size) == ("tanh", True, True, 1024)
+    _, abstract, _ = abstract_model(cfg)
+    assert sum(x.size for x in jax.tree.leaves(abstract)) == 124_439_808  # GPT-2 small
+    # the hub's model.safetensors: GPT2Model names (no "transformer."), causal-mask buffers
+    shapes = {"wte.weight": (50257, 768), "wpe.weight": (1024, 768)}
+    shapes.update({"ln_f.weight": (768,), "ln_f.bias": (768,)})
+    for i in range(12):
+        layer = {
+            "ln_1.weight": (768,),
+            "ln_1.bias": (768,),
+            "attn.bias": (1, 1, 1024, 1024),
+            "attn.c_attn.weight": (768, 2304),
+            "attn.c_attn.bias": (2304,),
+            "attn.c_proj.weight": (768, 768),
+            "attn.c_proj.bias": (768,),
+            "ln_2.weight": (768,),
+            "ln_2.bias": (768,),
+            "mlp.c_fc.weight": (768, 3072),
+            "mlp.c_fc.bias": (3072,),
+            "mlp.c_proj.weight": (3072, 768),
+            "mlp.c_proj.bias": (768,),
+        }
+        shapes.update({f"h.{i}.{k}": v for k, v in layer.items()})
+    check_tensor_shapes(shapes, abstract, Path("model.safetensors"))
+    del shapes["h.11.mlp.c_proj.bias"]
+    with pytest.raises(UsageError, match=r"transformer\.h\.11\.mlp\.c_proj\.bias is missing"):
+        check_tensor_shapes(shapes, abstract, Path("model.safetensors"))
+
+
+def test_gpt2_tokenizer_from_a_gpt2_directory(tmp_path):
+    from model.interop.hf_import import load_hf_tokenizer
+    from tests.tokenizer_helpers import gpt2_paths
+
+    vocab_json, merges_txt = gpt2_paths()
+    shutil.copyfile(vocab_json, tmp_path / "vocab.json")
+    shutil.copyfile(merges_txt, tmp_path / "merges.txt")
+    tokenizer = load_hf_tokenizer(str(tmp_path))
+    assert tokenizer.encode("Hello, world!<|endoftext|>") == [15496, 11, 995, 0, 50256]
+    assert tokenizer.vocab_size == GPT2_SMALL_CONFIG["vocab_size"]
+
+
+def test_tokenize_with_init_from_is_refused(gpt2_dir, tmp_path, capsys):
+    code, _, err = run_cli(
+        capsys, "--tokenize", "--init-from", gpt2_dir[0], "--out", tmp_path / "run"
+    )
+    assert_one_line_error(code, err, "tinyllm", "drop --tokenize")
+    assert not (tmp_path / "run").exists()
+
+
+def test_inference_samples_the_fine_tuned_run_once_there_is_one(tmp_path):
+    from model.interop.hf_import import started_from
+
+    run = tmp_path / "run"
+    assert not started_from(run, "~/models/gpt2")  # nothing trained: sample GPT-2 itself
+    (run / "checkpoints" / "20").mkdir(parents=True)
+    config = load_config(None, ["init_from=~/models/gpt2"]).to_dict()
+    (run / "config.json").write_text(json.dumps(config))
+    assert started_from(run, "~/models/gpt2")  # fine-tuned from it: sample the run
+    assert not started_from(run, "~/models/gpt2-xl")  # another model: sample that one
