@@ -212,6 +212,9 @@ def test_three_stages_end_to_end(tmp_path, text_file):
     assert proc.stdout.startswith("ROMEO:") and len(proc.stdout) > len("ROMEO:") + 10
     assert "vocab size 300" in proc.stderr and "bytes/token" in proc.stderr
     assert "first token after" in proc.stderr and "new tokens" in proc.stderr
+    # Off a terminal progress is plain lines (the last state of each bar), never a redraw.
+    assert "\r" not in proc.stderr and "\033" not in proc.stderr
+    assert "BPE merges [" in proc.stderr and "train [" in proc.stderr
     for name in ("tokenizer.pkl", "metrics.jsonl", "config.json", "loss.png", "checkpoints"):
         assert (out / name).exists(), name
     # Same seed, same text (the run is reloaded from its checkpoint).

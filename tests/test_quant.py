@@ -479,3 +479,34 @@ def test_quantized_run_directory_gets_the_umask(q8_run):
     assert stat.S_IMODE(os.stat(q8_run).st_mode) == 0o777 & ~current_umask()  # not mkdtemp's 0700
     for name in ("config.json", QUANT_FILE, "tokenizer.pkl"):
         assert stat.S_IMODE((q8_run / name).stat().st_mode) == 0o666 & ~current_umask(), name
+
+
+def test_opening_a_trained_run_names_what_is_missing(tmp_path, capsys, trained_run):
+    """One function opens a trained run for sampling, quantizing, exporting and evaluating,
+    with one set of messages: the directory, a checkpoint, the tokenizer, and the tokenizer
+    the weights were made with."""
+    from model.rundir.trained import open_trained_run
+    from tokenizer import CharTokenizer
+
+    with pytest.raises(UsageError, match=r"no checkpoint in .*: the directory was not found"):
+        open_trained_run(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match=r"no checkpoint in .*: train it first"):
+        open_trained_run(tmp_path / "empty")
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    (run / "tokenizer.pkl").unlink()
+    with pytest.raises(UsageError, match=r"no tokenizer in .*: the run directory is incomplete"):
+        open_trained_run(run)
+    CharTokenizer.train("another text").save(run / "tokenizer.pkl")
+    with pytest.raises(UsageError, match="changed since the model was trained: retrain it"):
+        open_trained_run(run).load()
+
+    quantized = tmp_path / "q8"
+    assert run_quantize(capsys, "--run", trained_run, "--bits", 8, "--out", quantized)[0] == 0
+    assert open_trained_run(quantized).quantized
+    with pytest.raises(UsageError, match=r"already holds a quantized \(int8\) checkpoint"):
+        open_trained_run(quantized, float_only=True)
+    CharTokenizer.train("another text").save(quantized / "tokenizer.pkl")
+    with pytest.raises(UsageError, match=r"is not the one quantized\.npz was made with"):
+        open_trained_run(quantized).load()
