@@ -19,6 +19,8 @@ Example:
     (1, 4)
 """
 
+from plumbing.lazy import exports_on_first_use
+
 # Exports load on first use, so that model.network.config (which every config load needs)
 # and the other small modules import without pulling in JAX and Flax.
 _EXPORTS = {
@@ -35,10 +37,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'model' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = exports_on_first_use(__name__, _EXPORTS)

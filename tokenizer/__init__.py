@@ -9,6 +9,8 @@ it; TINYLLM_PURE_PYTHON=1 forces the pure-Python modules (same results).
 True
 """
 
+from plumbing.lazy import exports_on_first_use
+
 # Exports load on first use: importing a submodule (tokenizer.config, which every config load
 # needs) pulls in neither numpy, regex nor the C core.
 _EXPORTS = {
@@ -20,10 +22,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'tokenizer' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = exports_on_first_use(__name__, _EXPORTS)
