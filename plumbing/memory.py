@@ -10,6 +10,8 @@ v1 are both read; a limit this process cannot see is not applied.
 
     >>> available_bytes() is None or available_bytes() > 0
     True
+    >>> human_bytes(3 * 2**30), human_bytes(512)
+    ('3.0 GiB', '512 bytes')
 """
 
 from __future__ import annotations
@@ -122,3 +124,14 @@ def _stat(path: Path, key: str) -> int:
     except (OSError, ValueError):
         pass
     return 0
+
+
+def human_bytes(n: float) -> str:
+    """A size for a message: bytes below 1 KiB, else KiB, MiB, GiB or TiB with one decimal."""
+    if n < 1024:
+        return f"{n:,.0f} bytes"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:,.1f} {unit}"
+    return f"{n / 1024:,.1f} TiB"

@@ -12,7 +12,7 @@ import jax
 from model.decoding.steps import window_size
 from model.network.config import ModelConfig
 from plumbing.errors import UsageError
-from plumbing.memory import available_bytes
+from plumbing.memory import available_bytes, human_bytes
 
 MEMORY_SHARE = 0.8  # of the memory available, the most a generation may plan to use
 
@@ -47,17 +47,10 @@ def check_memory(
         return
     per_sample = decode_bytes_per_sample(cfg, use_cache)
     budget = int(available * MEMORY_SHARE)
-    if num_samples * per_sample > budget:
+    need = num_samples * per_sample
+    if need > budget:
         raise UsageError(
-            f"num_samples={num_samples} needs about {_human(num_samples * per_sample)} for the "
-            f"KV caches and logits, more than the {_human(available)} of memory available: "
+            f"num_samples={num_samples} needs about {human_bytes(need)} for the KV caches and "
+            f"logits, more than the {human_bytes(available)} of memory available: "
             f"use at most {max(budget // per_sample, 0)} samples at once"
         )
-
-
-def _human(n: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} PB"  # unreachable

@@ -18,11 +18,10 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flax import nnx
 
-from model.decoding.program_cache import ProgramCache
 from model.network.config import model_config_of
 from model.network.gpt import GPT
 from model.network.params import abstract_model
@@ -38,6 +37,9 @@ from model.rundir.layout import (
 from plumbing.errors import UsageError
 from plumbing.hashing import file_sha256
 from tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from model.decoding.program_cache import ProgramCache
 
 
 def open_trained_run(run_dir: str | Path, *, float_only: bool = False) -> TrainedRun:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from model.network.config import ModelConfig
 from plumbing.errors import UsageError
-from plumbing.memory import available_bytes
+from plumbing.memory import available_bytes, human_bytes
 
 STATE_BYTES_PER_PARAM = 16  # float32 parameter, gradient, Adam mu and nu
 
@@ -55,12 +55,8 @@ def check_training_memory(cfg: ModelConfig, batch_rows: int, fsdp: bool = False)
     if have is None or need <= have:
         return
     raise UsageError(
-        f"this model needs at least {_gib(need)} to train (about {cfg.approx_params():,} "
+        f"this model needs at least {human_bytes(need)} to train (about {cfg.approx_params():,} "
         f"parameters, context {cfg.block_size}, {batch_rows} sequences per micro-batch), "
-        f"more than the {_gib(have)} of {where}: lower model.block_size, model.n_layer, "
+        f"more than the {human_bytes(have)} of {where}: lower model.block_size, model.n_layer, "
         "model.n_embd or train.batch_size (or raise train.grad_accum)"
     )
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.1f} GiB"
