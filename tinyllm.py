@@ -291,10 +291,8 @@ def run(args: argparse.Namespace) -> int:
 
         # Before JAX starts its backend: on CPU, one device per core (data parallel); with
         # several processes (maybe on one machine), one device each unless the config says.
-        t = cfg.train
-        requested = t.cpu_devices or (1 if multi_process_requested() else 0)
-        configure_cpu_devices(requested, t.batch_size // t.grad_accum)
-    if args.train:
+        requested = cfg.train.cpu_devices or (1 if multi_process_requested() else 0)
+        configure_cpu_devices(requested, cfg.train.micro_batch)
         enable_compilation_cache()
 
     if args.tokenize and cfg.init_from:
