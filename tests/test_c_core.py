@@ -19,6 +19,7 @@ import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from plumbing.progress import Throughput
 from tests.tokenizer_helpers import (  # noqa: F401 (each_path: fixture)
     EOT,
     data_file,
@@ -264,7 +265,7 @@ def test_c_core_counts_equal_python_counts():
 
 
 def test_progress_lines_off_a_terminal(capsys):
-    bar = pipeline.Throughput("encode", every=0.0)
+    bar = Throughput("encode", plain_every_s=0.0)
     bar.update(2_500_000)
     bar.close()
     lines = capsys.readouterr().err.splitlines()

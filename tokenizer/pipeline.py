@@ -17,8 +17,6 @@ On the pure-Python path the same code runs on one thread (the GIL would serialis
 
 from __future__ import annotations
 
-import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +24,7 @@ from typing import IO, TYPE_CHECKING, TypeVar
 
 import numpy as np
 
+from plumbing.progress import Throughput
 from tokenizer import c_core, pretokenize
 from tokenizer.pretokenize import _slices, iter_safe_pieces, split_specials
 
@@ -38,36 +37,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 ENCODE_PIECE_CHARS = 1 << 20
-
-
-class Throughput:
-    """Progress on stderr: MB done and MB/s. On a terminal one line is redrawn (at most ~10
-    times a second); otherwise a plain line at most every `every` seconds, and a last one."""
-
-    def __init__(self, desc: str, enabled: bool = True, every: float = 10.0) -> None:
-        self.desc, self.enabled, self.every = desc, enabled, every
-        self.tty = enabled and sys.stderr.isatty()
-        self.bytes = 0
-        self.start = self._last = time.perf_counter()
-
-    def update(self, n_bytes: int) -> None:
-        self.bytes += n_bytes
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if now - self._last >= (0.1 if self.tty else self.every):
-            self._last = now
-            self._draw(now, "\r" if self.tty else "", "" if self.tty else "\n")
-
-    def close(self) -> None:
-        if self.enabled and self.bytes:
-            self._draw(time.perf_counter(), "\r" if self.tty else "", "\n")
-
-    def _draw(self, now: float, head: str, tail: str) -> None:
-        elapsed = max(now - self.start, 1e-9)
-        mb = self.bytes / 1e6
-        sys.stderr.write(f"{head}{self.desc}: {mb:,.1f} MB, {mb / elapsed:,.1f} MB/s{tail}")
-        sys.stderr.flush()
 
 
 def utf8_size(text: str) -> int:
