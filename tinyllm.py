@@ -21,12 +21,14 @@ import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from plumbing.cli import OneLineParser, os_error_line, printable
 from plumbing.progress import clear_line
 
 ROOT = Path(__file__).resolve().parent
+STARTED = time.perf_counter()  # the whole process's time, start-up included, is what counts
 DEFAULT_CONFIG = "shakespeare"
 
 
@@ -292,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
         # Before JAX starts its backend: on CPU, one device per core (data parallel); with
         # several processes (maybe on one machine), one device each unless the config says.
         requested = cfg.train.cpu_devices or (1 if multi_process_requested() else 0)
-        configure_cpu_devices(requested, cfg.train.micro_batch)
+        configure_cpu_devices(requested, cfg.train.shared_rows)
         enable_compilation_cache()
 
     if args.tokenize and cfg.init_from:
@@ -345,6 +347,7 @@ def run_writing_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
         from model.train_stage import run_train
 
         run_train(cfg, run_dir, resume=args.resume)
+        print(f"tinyllm: {time.perf_counter() - STARTED:.1f} s since start", file=sys.stderr)
 
 
 if __name__ == "__main__":

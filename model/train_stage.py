@@ -31,6 +31,7 @@ from model.training.memory import check_training_memory
 from model.training.resume import (
     check_compatible,
     check_same_corpus,
+    check_same_optimizer,
     check_steps_left,
     newest_readable_meta,
     resumed_data,
@@ -64,6 +65,7 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
         if saved is not None:
             cfg = dataclasses.replace(cfg, data=resumed_data(cfg.data, saved))
             check_compatible(saved, model_cfg, tokenizer_sha)
+            check_same_optimizer(saved, cfg.train.optimizer)
         corpus = corpus_for(cfg.data)
         if saved is not None:
             check_same_corpus(saved, corpus)

@@ -93,13 +93,13 @@ def time_layers(model_cfg, n_tokens: int, repeats: int = 20) -> list[tuple[str, 
     import jax.numpy as jnp
     from flax import nnx
 
-    from model.network.layers import GeluMLP
+    from model.network.layers import DenseMLP
     from model.network.moe import MoEMLP
 
     x_NxD = jax.random.normal(jax.random.key(0), (n_tokens, model_cfg.n_embd))
     dense_cfg = dataclasses.replace(model_cfg, moe_experts=0)
     layers = [
-        ("dense MLP", GeluMLP(dense_cfg, rngs=nnx.Rngs(0)), True),
+        ("dense MLP", DenseMLP(dense_cfg, rngs=nnx.Rngs(0)), True),
         (
             f"MoE, capacity factor {model_cfg.moe_capacity_factor}",
             MoEMLP(model_cfg, hidden=model_cfg.moe_hidden, rngs=nnx.Rngs(0)),

@@ -77,7 +77,15 @@ def test_a_run_made_before_the_move_samples_and_resumes(earlier_checkout, tmp_pa
     kept_after = sorted(p.name for p in (programs / "programs").iterdir())
     assert set(kept_before) < set(kept_after)  # the earlier entries left alone, ours added
 
-    resumed = tinyllm(ROOT, "--train", "--resume", *config, "train.max_steps=12", env=env)
+    # The demo config has since taken the modern recipe: resuming with it is refused in one
+    # line; with the earlier run's layers and optimizer it continues.
+    refused = tinyllm(ROOT, "--train", "--resume", *config, "train.max_steps=12", env=env)
+    assert refused.returncode == 2 and "in the checkpoint but" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    gpt2_recipe = ["model.qk_norm=false", "model.x0_mixing=false", "train.optimizer=adamw"]
+    resumed = tinyllm(
+        ROOT, "--train", "--resume", *config, "train.max_steps=12", *gpt2_recipe, env=env
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at step 8" in resumed.stderr
     assert "encode:" not in resumed.stderr  # the token cache was used as it was

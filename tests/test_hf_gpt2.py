@@ -61,8 +61,8 @@ def test_defaults_reproduce_the_previous_model_and_old_configs_load():
 
 def test_gelu_forms():
     x = jnp.linspace(-4.0, 4.0, 101)
-    exact = tiny_model(gelu="exact").blocks[0].mlp.gelu(x)
-    tanh = tiny_model(gelu="tanh").blocks[0].mlp.gelu(x)
+    exact = tiny_model(gelu="exact").blocks[0].mlp.activation(x)
+    tanh = tiny_model(gelu="tanh").blocks[0].mlp.activation(x)
     gelu_new = 0.5 * x * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
     np.testing.assert_allclose(tanh, gelu_new, atol=1e-6)  # Hugging Face's gelu_new
     np.testing.assert_allclose(exact, jax.nn.gelu(x, approximate=False), atol=1e-6)
@@ -360,12 +360,13 @@ def test_finetune_from_gpt2_then_resume_and_sample_the_run(
 
 @pytest.fixture(scope="module", params=["nanogpt-style", "gpt2-style-untied"])
 def trained_run(request, corpus, tmp_path_factory):
-    """A tiny BPE run trained through the CLI: our defaults (no biases, exact GELU, tied), or
-    with biases, tanh GELU, untied output layer and another epsilon."""
+    """A tiny BPE run trained through the CLI: the demo config (no biases, exact GELU, tied,
+    trained with Muon) without its layers GPT-2 lacks, or also with biases, tanh GELU, an
+    untied output layer and another epsilon."""
     run = tmp_path_factory.mktemp("run") / request.param
-    extra = []
+    extra = ["model.qk_norm=false", "model.x0_mixing=false"]
     if request.param == "gpt2-style-untied":
-        extra = ["model.bias=true", "model.gelu=tanh", "model.tie_embeddings=false"]
+        extra += ["model.bias=true", "model.gelu=tanh", "model.tie_embeddings=false"]
         extra += ["model.norm_eps=1e-3"]
     code = tinyllm.main(
         [

@@ -24,6 +24,9 @@ VARIANTS = {
     "learned-layernorm-gelu": dict(position="learned", norm="layernorm", mlp="gelu", bias=True),
     "rope-rmsnorm-swiglu": dict(position="rope", norm="rmsnorm", mlp="swiglu"),
     "rope-layernorm-gelu": dict(position="rope", norm="layernorm", mlp="gelu"),
+    "modern-recipe": dict(
+        qk_norm=True, mlp="relu2", logit_softcap=15.0, x0_mixing=True, tie_embeddings=False
+    ),
 }
 GEN_BLOCK = 16  # generation tests: a context the sliding window must cross quickly
 CHUNK = 8

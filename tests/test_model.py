@@ -13,7 +13,7 @@ from flax import nnx
 
 from model.network.attention import CausalSelfAttention
 from model.network.gpt import GPT, count_params, flops_per_token
-from model.network.layers import GeluMLP, swiglu_hidden
+from model.network.layers import DenseMLP, swiglu_hidden
 from plumbing.errors import UsageError
 from tests.tiny_models import TINY, forward, tiny_model
 
@@ -82,7 +82,7 @@ def test_causality_by_gradients(variant):
         positions = jnp.arange(t_len)
         x = emb_1xTxD + (m.wpe(positions)[None] if m.wpe is not None else 0.0)
         for block in m.blocks:
-            x, _, _ = block(x, positions)
+            x, _, _ = block(x, x, positions)
         logits = m.ln_f(x) @ m.wte.embedding[...].T
         return jax.nn.logsumexp(logits[0, probe]) - logits[0, probe, 0]
 
@@ -141,7 +141,7 @@ def test_gpt2_initialisation():
     # the real initialisers (slow to compile op by op, so only the two layer kinds)
     cfg = dataclasses.replace(TINY, bias=True, n_embd=64, n_layer=8)
     attn = CausalSelfAttention(cfg, rngs=nnx.Rngs(0))
-    mlp = GeluMLP(cfg, rngs=nnx.Rngs(1))
+    mlp = DenseMLP(cfg, rngs=nnx.Rngs(1))
     assert abs(float(jnp.std(attn.c_attn.kernel[...])) - 0.02) < 0.002
     assert abs(float(jnp.std(mlp.c_fc.kernel[...])) - 0.02) < 0.002
     resid_std = 0.02 / np.sqrt(2 * cfg.n_layer)  # 0.005
@@ -203,7 +203,7 @@ def test_valid_config_passes_and_moe_replaces_every_kth_mlp():
     assert TINY.validate() is TINY
     model = abstract(n_layer=4, moe_experts=4, moe_top_k=2, moe_every=2)
     kinds = [type(block.mlp).__name__ for block in model.blocks]
-    assert kinds == ["GeluMLP", "MoEMLP", "GeluMLP", "MoEMLP"]
+    assert kinds == ["DenseMLP", "MoEMLP", "DenseMLP", "MoEMLP"]
 
 
 def test_gelu_matches_jax_exact_gelu_in_value_and_gradient():

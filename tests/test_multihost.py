@@ -34,7 +34,7 @@ from model.rundir.layout import TOKENIZER_FILE
 from model.train_stage import run_train
 from model.training.metrics import read_metrics
 from plumbing.errors import UsageError
-from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
+from tests.tiny_runs import RECIPE, TINY_TRAIN, tiny_run_config, write_word_corpus
 from tokenizer.stage import run_tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,6 +168,19 @@ def test_two_processes_match_one_and_resume_replays(tmp_path, corpus_file, singl
     np.testing.assert_allclose([v for _, v in val], [reference_val[s] for s in (4, 8)], rtol=2e-5)
     assert Checkpoints(run_dir).latest_step() == 8
     assert not list(run_dir.rglob("*.tmp*"))  # no temp files left behind
+
+
+def test_two_processes_match_one_with_the_modern_recipe(tmp_path, corpus_file, single_run):
+    """Muon's orthogonalised updates and the recipe's layers give one process's curve too."""
+    one = tokenized_copy(single_run, tmp_path / "one")
+    run_train(tiny_run_config(corpus_file, TINY, "train.max_steps=4", *RECIPE), one)
+    two = tokenized_copy(single_run, tmp_path / "two")
+    finish(launch(two, corpus_file, "train.max_steps=4", *RECIPE))
+    reference = steps_of(one, "train_loss")
+    assert [s for s, _ in steps_of(two, "train_loss")] == [s for s, _ in reference] == [1, 2, 3, 4]
+    np.testing.assert_allclose(
+        [v for _, v in steps_of(two, "train_loss")], [v for _, v in reference], rtol=2e-5, atol=2e-6
+    )
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["kill-process-1", "kill-process-0"])

@@ -16,7 +16,7 @@ from model.training.errors import TrainingDiverged
 from model.training.metrics import read_metrics
 from model.training.trainer import Trainer
 from plumbing.errors import UsageError
-from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
+from tests.tiny_runs import RECIPE, TINY_TRAIN, tiny_run_config, write_word_corpus
 from tokenizer.stage import run_tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,14 +43,15 @@ def train_losses(run_dir):
     return {r["step"]: r["train_loss"] for r in read_metrics(run_dir) if "train_loss" in r}
 
 
-def test_resume_replays_the_uninterrupted_run(tmp_path, corpus_file):
-    cfg, straight = tokenized_run(tmp_path / "a", corpus_file, "train.max_steps=8")
+@pytest.mark.parametrize("recipe", [[], RECIPE], ids=["gpt2-recipe", "modern-recipe"])
+def test_resume_replays_the_uninterrupted_run(tmp_path, corpus_file, recipe):
+    cfg, straight = tokenized_run(tmp_path / "a", corpus_file, "train.max_steps=8", *recipe)
     run_train(cfg, straight)
 
-    half_cfg, resumed = tokenized_run(tmp_path / "b", corpus_file, "train.max_steps=4")
+    half_cfg, resumed = tokenized_run(tmp_path / "b", corpus_file, "train.max_steps=4", *recipe)
     run_train(half_cfg, resumed)
     assert Checkpoints(resumed).latest_step() == 4
-    run_train(tiny_config(corpus_file, "train.max_steps=8"), resumed, resume=True)
+    run_train(tiny_config(corpus_file, "train.max_steps=8", *recipe), resumed, resume=True)
 
     a, b = train_losses(straight), train_losses(resumed)
     assert sorted(a) == sorted(b) == list(range(1, 9))
@@ -136,11 +137,12 @@ def test_token_cache_is_rebuilt_when_the_corpus_changes(tmp_path, corpus_file):
     assert second.val_bytes == len(second.val)  # character tokens of ASCII text: 1 byte each
 
 
-def test_four_simulated_devices_match_one(tmp_path, corpus_file):
+@pytest.mark.parametrize("recipe", [[], RECIPE], ids=["gpt2-recipe", "modern-recipe"])
+def test_four_simulated_devices_match_one(tmp_path, corpus_file, recipe):
     """Same global batch on 1 and 4 devices (data parallel and FSDP): the same losses."""
     from tests.multidevice_run import short_run
 
-    overrides = [f"data.input={json.dumps([str(corpus_file)])}", *TINY]
+    overrides = [f"data.input={json.dumps([str(corpus_file)])}", *TINY, *recipe]
     config = str(ROOT / "configs" / "shakespeare_char.toml")
     _, run_dir = tokenized_run(tmp_path, corpus_file)
     one = short_run(config, str(run_dir), overrides)

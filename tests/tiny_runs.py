@@ -26,6 +26,20 @@ TINY_TRAIN = [
 ]
 
 
+# Every option of the modern recipe at once (docs/training.md): what holds for the GPT-2
+# recipe (exact resume, 1 device = N, 1 process = 2) must hold with them.
+RECIPE = [
+    "train.optimizer=muon",
+    "train.lr_schedule=wsd",
+    "model.qk_norm=true",
+    "model.mlp=relu2",
+    "model.zero_init_proj=true",
+    "model.logit_softcap=15",
+    "model.x0_mixing=true",
+    "model.tie_embeddings=false",
+]
+
+
 def write_word_corpus(path: Path, n_lines: int) -> Path:
     """n_lines of 8 words drawn (seed 0) from a 10-word vocabulary."""
     rng = np.random.default_rng(0)

@@ -121,6 +121,9 @@ def model_config_from_hf(hf: dict[str, Any], base: ModelConfig | None = None) ->
         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
         moe_experts=0,
+        qk_norm=False,  # GPT-2's layers, whatever the config's recipe says
+        logit_softcap=0.0,
+        x0_mixing=False,
     )
     return cfg.validate()
 
@@ -135,6 +138,9 @@ def check_exportable(cfg: ModelConfig) -> None:
         (cfg.norm != "layernorm", f"model.norm={cfg.norm!r} (GPT-2 has LayerNorm)"),
         (cfg.mlp != "gelu", f"model.mlp={cfg.mlp!r} (GPT-2 has a GELU MLP)"),
         (cfg.moe_experts > 0, f"model.moe_experts={cfg.moe_experts} (GPT-2 has no experts)"),
+        (cfg.qk_norm, "model.qk_norm=true (GPT-2 has no QK-norm)"),
+        (cfg.logit_softcap > 0, f"model.logit_softcap={cfg.logit_softcap} (GPT-2 has no cap)"),
+        (cfg.x0_mixing, "model.x0_mixing=true (GPT-2 has no residual mixing)"),
     ]
     for bad, what in problems:
         if bad:

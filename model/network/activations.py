@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 
 def gelu_exact(x: jax.Array) -> jax.Array:
@@ -35,3 +36,18 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 def gelu_fn(form: str) -> Callable[[jax.Array], jax.Array]:
     """The GELU of `model.gelu`: "exact" (erf) or "tanh" (GPT-2)."""
     return {"exact": gelu_exact, "tanh": gelu_tanh}[form]
+
+
+def relu_squared(x: jax.Array) -> jax.Array:
+    """relu(x)**2, the MLP activation of modded-nanogpt and nanochat (So et al., Primer).
+
+    >>> relu_squared(jnp.array([-2.0, 3.0])).tolist()
+    [0.0, 9.0]
+    """
+    return jnp.square(jax.nn.relu(x))
+
+
+def activation_fn(mlp: str, gelu: str) -> Callable[[jax.Array], jax.Array]:
+    """The activation of a 4x MLP: relu(x)**2 for `model.mlp` "relu2", else the GELU of
+    `model.gelu`."""
+    return relu_squared if mlp == "relu2" else gelu_fn(gelu)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.network.config import ModelConfig
-from model.network.layers import linear, resid_std
+from model.network.layers import linear
 from model.network.rope import apply_rope
 from plumbing.errors import UsageError
 
@@ -162,6 +162,17 @@ def attend_fused(
     )
 
 
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis (computed in float32, returned in x's dtype), with no
+    learned scale: QK-norm on each head's queries and keys bounds the attention logits.
+
+    >>> [round(v, 4) for v in rms_normalize(jnp.array([3.0, 4.0]), 0.0).tolist()]
+    [0.8485, 1.1314]
+    """
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 def causal_mask(t: int) -> jax.Array:
     """[T, T] boolean lower-triangular mask: query t sees keys 0..t."""
     return jnp.tril(jnp.ones((t, t), dtype=bool))
@@ -183,10 +194,11 @@ class CausalSelfAttention(nnx.Module):
         self.n_head = cfg.n_head
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
+        self.qk_norm_eps = cfg.norm_eps if cfg.qk_norm else None
         self.c_attn = linear(cfg, cfg.n_embd, 3 * cfg.n_embd, 0.02, rngs)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), two per block, so the
         # residual stream's variance does not grow with depth.
-        self.c_proj = linear(cfg, cfg.n_embd, cfg.n_embd, resid_std(cfg), rngs)
+        self.c_proj = linear(cfg, cfg.n_embd, cfg.n_embd, cfg.resid_std, rngs)
         self.attn_dropout = nnx.Dropout(cfg.dropout) if cfg.dropout > 0 else None
         self.attention = cfg.attention
         self.dtype_name = cfg.dtype
@@ -213,6 +225,9 @@ class CausalSelfAttention(nnx.Module):
         q_BxTxHxD = q.reshape(b, t, self.n_head, self.head_dim)
         k_BxTxHxD = k.reshape(b, t, self.n_head, self.head_dim)
         v_BxTxHxD = v.reshape(b, t, self.n_head, self.head_dim)
+        if self.qk_norm_eps is not None:  # before RoPE, as modded-nanogpt (a rotation keeps norms)
+            q_BxTxHxD = rms_normalize(q_BxTxHxD, self.qk_norm_eps)
+            k_BxTxHxD = rms_normalize(k_BxTxHxD, self.qk_norm_eps)
         if self.rope_theta is not None:
             q_BxTxHxD = apply_rope(q_BxTxHxD, positions_T, self.rope_theta)
             k_BxTxHxD = apply_rope(k_BxTxHxD, positions_T, self.rope_theta)

@@ -19,7 +19,7 @@ from plumbing.errors import UsageError
 from plumbing.typed_data import from_plain
 
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "swiglu", "relu2")
 POSITIONS = ("learned", "rope")
 DTYPES = ("float32", "bfloat16")  # names only: configs load without importing JAX
 GELUS = ("exact", "tanh")
@@ -50,13 +50,22 @@ class ModelConfig:
     dropout: float = 0.0  # dropout rate on embeddings, attention weights and residual branches
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 had them)
     norm: str = "layernorm"  # "layernorm" | "rmsnorm" (pre-norm, before each sub-block)
-    mlp: str = "gelu"  # "gelu" (4x hidden, exact erf GELU as nanoGPT) | "swiglu" (Llama)
+    # "gelu" (4x hidden, exact erf GELU as nanoGPT) | "swiglu" (Llama) | "relu2" (4x hidden,
+    # relu(x)**2: modded-nanogpt, nanochat)
+    mlp: str = "gelu"
     gelu: str = "exact"  # GELU form: "exact" (erf, nanoGPT's nn.GELU) | "tanh" (GPT-2's gelu_new)
     norm_eps: float = 1e-5  # epsilon of LayerNorm / RMSNorm (GPT-2: layer_norm_epsilon 1e-5)
     # Output layer = the token embedding (GPT-2, nanoGPT); false adds a separate [D, V] layer.
     tie_embeddings: bool = True
     position: str = "learned"  # "learned" absolute embeddings | "rope" rotary on q and k
     rope_theta: float = 10000.0  # RoPE base: wavelengths grow geometrically up to 2*pi*theta
+    # The modern recipe (modded-nanogpt, nanochat; docs/training.md has what each did here).
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys (no weights) before q.k
+    zero_init_proj: bool = False  # residual projections (attention, MLP) start at zero
+    logit_softcap: float = 0.0  # logits = c * tanh(logits / c); 0 = off (nanochat: 15)
+    # Each block's input becomes a*x + b*x0, x0 = the embedded tokens, with learned scalars
+    # (a, b) per block starting at (1, 0): modded-nanogpt's residual mixing with the input.
+    x0_mixing: bool = False
     moe_experts: int = 0  # experts per MoE layer; 0 = dense MLP everywhere
     moe_top_k: int = 2  # experts each token is routed to (when moe_experts > 0)
     moe_every: int = 1  # an MoE MLP replaces the dense MLP in every k-th block
@@ -76,6 +85,13 @@ class ModelConfig:
         return self.n_embd // self.n_head
 
     @property
+    def resid_std(self) -> float:
+        """Init std of the projections back into the residual stream: GPT-2 scales them by
+        1/sqrt(2 * n_layer); with zero_init_proj they start at zero (modded-nanogpt), so each
+        block starts as the identity."""
+        return 0.0 if self.zero_init_proj else 0.02 / math.sqrt(2 * self.n_layer)
+
+    @property
     def compute_dtype(self):
         """The jnp dtype activations are computed in."""
         import jax.numpy as jnp
@@ -91,8 +107,8 @@ class ModelConfig:
         807296
         """
         c = self.n_embd
-        mlp_widths = 2 if self.mlp == "gelu" else 3  # fc + proj, or gate + up + proj
-        dense_hidden = 4 * c if self.mlp == "gelu" else 8 * c // 3
+        mlp_widths = 3 if self.mlp == "swiglu" else 2  # gate + up + proj, or fc + proj
+        dense_hidden = 8 * c // 3 if self.mlp == "swiglu" else 4 * c
         n_moe = self.n_layer // self.moe_every if self.moe_experts > 0 else 0
         expert = mlp_widths * (self.moe_hidden or dense_hidden) * c
         per_layer = 4 * c * c + 8 * c  # attention, norms and biases
@@ -156,9 +172,13 @@ class ModelConfig:
             isinstance(self.norm_eps, (int, float)) and 0.0 < self.norm_eps < 1.0
         ):
             raise UsageError(f"model.norm_eps must be a number in (0, 1), got {self.norm_eps!r}")
-        if not isinstance(self.tie_embeddings, bool):
+        for name in ("tie_embeddings", "qk_norm", "zero_init_proj", "x0_mixing"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+        cap = self.logit_softcap
+        if isinstance(cap, bool) or not (isinstance(cap, (int, float)) and 0 <= cap < math.inf):
             raise UsageError(
-                f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}"
+                f"model.logit_softcap must be a finite number >= 0 (0 = off), got {cap!r}"
             )
         if self.position == "rope" and self.head_dim % 2 != 0:
             raise UsageError(

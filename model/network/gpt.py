@@ -33,9 +33,14 @@ KVCache = list[LayerCache]  # one {"k", "v"} dict per layer, each [B, S, H, Dh]
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    With model.x0_mixing the block's input is first a*x + b*x0 (x0: the embedded tokens),
+    learned scalars starting at (a, b) = (1, 0), so the block starts as without them.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_index: int, *, rngs: nnx.Rngs):
+        self.x0_lambdas = nnx.Param(jnp.array([1.0, 0.0])) if cfg.x0_mixing else None
         self.ln_1 = make_norm(cfg, rngs=rngs)
         self.attn = CausalSelfAttention(cfg, rngs=rngs)
         self.ln_2 = make_norm(cfg, rngs=rngs)
@@ -44,12 +49,16 @@ class Block(nnx.Module):
     def __call__(
         self,
         x_BxTxD: jax.Array,
+        x0_BxTxD: jax.Array,
         positions_T: jax.Array,
         *,
         cache: LayerCache | None = None,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
     ) -> tuple[jax.Array, LayerCache | None, dict[str, jax.Array]]:
+        if self.x0_lambdas is not None:
+            a, b = self.x0_lambdas[...].astype(x_BxTxD.dtype)
+            x_BxTxD = a * x_BxTxD + b * x0_BxTxD
         y, cache = self.attn(
             self.ln_1(x_BxTxD), positions_T, cache=cache, deterministic=deterministic, rngs=rngs
         )
@@ -118,14 +127,20 @@ class GPT(nnx.Module):
 
         Not `wte.attend`: that would promote both operands to one dtype, while we want
         compute-dtype operands (bf16 matmul speed) with float32 accumulation and logits.
+        With model.logit_softcap c > 0, logits are c * tanh(logits / c): within (-c, c).
         """
         if self.lm_head is not None:
             kernel_DxV = self.lm_head.kernel[...].astype(x_BxTxD.dtype)
-            return jnp.einsum(
+            logits = jnp.einsum(
                 "btd,dv->btv", x_BxTxD, kernel_DxV, preferred_element_type=jnp.float32
             )
-        embedding_VxD = self.wte.embedding[...].astype(x_BxTxD.dtype)
-        return jnp.einsum("btd,vd->btv", x_BxTxD, embedding_VxD, preferred_element_type=jnp.float32)
+        else:
+            embedding_VxD = self.wte.embedding[...].astype(x_BxTxD.dtype)
+            logits = jnp.einsum(
+                "btd,vd->btv", x_BxTxD, embedding_VxD, preferred_element_type=jnp.float32
+            )
+        cap = self.cfg.logit_softcap
+        return cap * jnp.tanh(logits / cap) if cap > 0 else logits
 
     def init_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """Zeroed KV cache: per layer {"k", "v"} of shape [B, max_len, H, Dh], compute dtype.
@@ -192,13 +207,19 @@ class GPT(nnx.Module):
             x_BxTxD = x_BxTxD + self.wpe(positions_T)[None]
         x_BxTxD = self.drop(x_BxTxD, deterministic=deterministic, rngs=rngs)
         x_BxTxD = x_BxTxD.astype(self.cfg.compute_dtype)
+        x0_BxTxD = x_BxTxD
 
         aux: dict[str, jax.Array] = {}
         new_cache: KVCache | None = None if cache is None else []
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache[i]
             x_BxTxD, layer_cache, block_aux = block(
-                x_BxTxD, positions_T, cache=layer_cache, deterministic=deterministic, rngs=rngs
+                x_BxTxD,
+                x0_BxTxD,
+                positions_T,
+                cache=layer_cache,
+                deterministic=deterministic,
+                rngs=rngs,
             )
             if new_cache is not None:
                 new_cache.append(layer_cache)

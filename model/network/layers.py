@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.network.activations import gelu_fn
+from model.network.activations import activation_fn
 from model.network.config import ModelConfig
 from model.network.moe import MoEMLP, is_moe_layer
 
@@ -66,25 +66,21 @@ def linear(cfg: ModelConfig, n_in: int, n_out: int, std: float, rngs: nnx.Rngs) 
     )
 
 
-def resid_std(cfg: ModelConfig) -> float:
-    # GPT-2: the projection back into the residual stream is scaled by 1/sqrt(2 * n_layer).
-    return 0.02 / math.sqrt(2 * cfg.n_layer)
-
-
-class GeluMLP(nnx.Module):
-    """GPT-2 MLP: Linear(D, 4D) -> GELU -> Linear(4D, D); GELU per cfg.gelu (default exact
-    erf as nanoGPT's nn.GELU; GPT-2's own weights were trained with the tanh form)."""
+class DenseMLP(nnx.Module):
+    """GPT-2 MLP: Linear(D, 4D) -> activation -> Linear(4D, D). The activation is GELU per
+    cfg.gelu (default exact erf as nanoGPT's nn.GELU; GPT-2's own weights were trained with
+    the tanh form), or relu(x)**2 with cfg.mlp = "relu2"."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.gelu = gelu_fn(cfg.gelu)
+        self.activation = activation_fn(cfg.mlp, cfg.gelu)
         self.c_fc = linear(cfg, cfg.n_embd, 4 * cfg.n_embd, 0.02, rngs)
-        self.c_proj = linear(cfg, 4 * cfg.n_embd, cfg.n_embd, resid_std(cfg), rngs)
+        self.c_proj = linear(cfg, 4 * cfg.n_embd, cfg.n_embd, cfg.resid_std, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def __call__(
         self, x_BxTxD: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        h_BxTxF = self.gelu(self.c_fc(x_BxTxD))
+        h_BxTxF = self.activation(self.c_fc(x_BxTxD))
         y_BxTxD = self.dropout(self.c_proj(h_BxTxF), deterministic=deterministic, rngs=rngs)
         return y_BxTxD, {}
 
@@ -96,7 +92,7 @@ class SwiGLUMLP(nnx.Module):
         hidden = swiglu_hidden(cfg.n_embd)
         self.gate = linear(cfg, cfg.n_embd, hidden, 0.02, rngs)
         self.up = linear(cfg, cfg.n_embd, hidden, 0.02, rngs)
-        self.c_proj = linear(cfg, hidden, cfg.n_embd, resid_std(cfg), rngs)
+        self.c_proj = linear(cfg, hidden, cfg.n_embd, cfg.resid_std, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def __call__(
@@ -108,7 +104,7 @@ class SwiGLUMLP(nnx.Module):
 
 
 def make_mlp(cfg: ModelConfig, layer_index: int, *, rngs: nnx.Rngs) -> nnx.Module:
-    """The feed-forward layer of block `layer_index`: dense GELU or SwiGLU, or with
+    """The feed-forward layer of block `layer_index`: dense GELU, ReLU² or SwiGLU, or with
     cfg.moe_experts > 0 a mixture of such experts in every cfg.moe_every-th block
     (blocks moe_every-1, 2*moe_every-1, ...; see model.network.moe)."""
     if is_moe_layer(cfg, layer_index):
@@ -116,4 +112,4 @@ def make_mlp(cfg: ModelConfig, layer_index: int, *, rngs: nnx.Rngs) -> nnx.Modul
         return MoEMLP(cfg, hidden=cfg.moe_hidden or dense_hidden, rngs=rngs)
     if cfg.mlp == "swiglu":
         return SwiGLUMLP(cfg, rngs=rngs)
-    return GeluMLP(cfg, rngs=rngs)
+    return DenseMLP(cfg, rngs=rngs)

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.network.activations import gelu_fn
+from model.network.activations import activation_fn
 from model.network.config import ModelConfig
 
 # Parameters whose leading axis indexes experts: model.processes.mesh shards them over devices.
@@ -164,7 +164,7 @@ class MoEMLP(nnx.Module):
         e, d, f = cfg.moe_experts, cfg.n_embd, hidden
         self.n_experts, self.top_k, self.swiglu = e, cfg.moe_top_k, cfg.mlp == "swiglu"
         self.capacity_factor = cfg.moe_capacity_factor
-        self.gelu = gelu_fn(cfg.gelu)
+        self.activation = activation_fn(cfg.mlp, cfg.gelu)
         self.dtype = cfg.compute_dtype
         # Each layer adds 1/n_layers of the weighted losses: gpt.py sums aux over blocks, so
         # the logged values are layer means and the weights do not scale with depth.
@@ -173,7 +173,6 @@ class MoEMLP(nnx.Module):
         self.z_weight = cfg.moe_z_weight * per_layer
         self.layer_share = per_layer
         normal = nnx.initializers.normal
-        resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2's scaled residual projection
         # Not an nnx.Linear named `kernel`: the router stays float32 (no PTQ/QAT), as routers do.
         self.router = nnx.Param(normal(0.02)(rngs.params(), (d, e), jnp.float32))
         # SwiGLU experts: gate and up projections (each with a bias when cfg.bias, as the dense
@@ -184,7 +183,7 @@ class MoEMLP(nnx.Module):
             setattr(self, f"expert_{name}", nnx.Param(kernel))
             bias = nnx.Param(jnp.zeros((e, f), jnp.float32)) if cfg.bias else None
             setattr(self, f"expert_{name}_bias", bias)
-        self.expert_proj = nnx.Param(normal(resid_std)(rngs.params(), (e, f, d), jnp.float32))
+        self.expert_proj = nnx.Param(normal(cfg.resid_std)(rngs.params(), (e, f, d), jnp.float32))
         self.expert_proj_bias = nnx.Param(jnp.zeros((e, d), jnp.float32)) if cfg.bias else None
         self.dropout = nnx.Dropout(cfg.dropout)
 
@@ -230,6 +229,6 @@ class MoEMLP(nnx.Module):
             gate_ExCxF = project("expert_gate", x_ExCxD, "ecd,edf->ecf")
             h_ExCxF = jax.nn.silu(gate_ExCxF) * project("expert_up", x_ExCxD, "ecd,edf->ecf")
         else:
-            h_ExCxF = self.gelu(project("expert_fc", x_ExCxD, "ecd,edf->ecf"))
+            h_ExCxF = self.activation(project("expert_fc", x_ExCxD, "ecd,edf->ecf"))
         y_ExCxD = project("expert_proj", h_ExCxF, "ecf,efd->ecd")
         return y_ExCxD

@@ -43,7 +43,8 @@ def check_cpu_devices(requested: int, micro_batch: int) -> None:
     if requested and micro_batch % requested:
         raise UsageError(
             f"train.cpu_devices ({requested}) must divide the micro-batch "
-            f"(train.batch_size / train.grad_accum = {micro_batch})"
+            f"(train.batch_size / train.grad_accum) and the validation batch "
+            f"(train.eval_batch_size): {micro_batch} rows"
         )
 
 

@@ -27,13 +27,13 @@ def data_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()), ("data",))
 
 
-def check_batch_divisible(micro_batch: int, mesh: Mesh) -> None:
+def check_batch_divisible(
+    rows: int, mesh: Mesh, what: str = "the micro-batch (train.batch_size / train.grad_accum"
+) -> None:
+    """UsageError unless `rows` sequences split evenly over the mesh's devices."""
     n = mesh.devices.size
-    if micro_batch % n:
-        raise UsageError(
-            f"the micro-batch (train.batch_size / train.grad_accum = {micro_batch}) must divide "
-            f"evenly over the {n} devices"
-        )
+    if rows % n:
+        raise UsageError(f"{what} = {rows}) must divide evenly over the {n} devices")
 
 
 def param_shardings(params, mesh: Mesh, fsdp: bool):

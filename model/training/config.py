@@ -6,12 +6,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Self
 
 from model.processes.cpu_devices import check_cpu_devices
 from plumbing import checks
 from plumbing.errors import UsageError
+
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
 
 
 @dataclass
@@ -23,12 +27,20 @@ class TrainConfig:
     warmup_steps: int = 100
     lr_decay_steps: int = 0  # cosine length; 0 = max_steps
     weight_decay: float = 0.1  # matrices only
+    # "adamw" | "muon": Muon (optax.contrib.muon) for the weight matrices, AdamW for the
+    # embeddings, output layer, norms and biases (model/training/optim.py).
+    optimizer: str = "adamw"
+    muon_learning_rate: float = 0.02  # peak rate of Muon's matrices (train.optimizer = "muon")
+    muon_ns_steps: int = 5  # Newton-Schulz iterations that orthogonalise each Muon update
+    lr_schedule: str = "cosine"  # "cosine" | "wsd": warmup, stable, then a linear cooldown
+    decay_fraction: float = 0.2  # wsd: the last fraction of the decay steps that cools down
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # global norm; 0 = off
     grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
     eval_interval: int = 250  # steps between validation runs (and checkpoints)
     eval_steps: int = 200  # validation batches per evaluation
+    eval_batch_size: int = 0  # sequences per validation batch; 0 = the training micro-batch
     log_interval: int = 10
     checkpoint_interval: int = 0  # 0 = at every eval
     seed: int = 1337
@@ -43,6 +55,17 @@ class TrainConfig:
         """Sequences per forward pass: batch_size / grad_accum."""
         return self.batch_size // self.grad_accum
 
+    @property
+    def eval_rows(self) -> int:
+        """Sequences per validation batch: eval_batch_size, or the micro-batch."""
+        return self.eval_batch_size or self.micro_batch
+
+    @property
+    def shared_rows(self) -> int:
+        """What a data-parallel device count must divide: the micro-batch and the
+        validation batch both."""
+        return math.gcd(self.micro_batch, self.eval_rows)
+
     def validate(self) -> Self:
         """Raise UsageError naming the first bad value; return self if all are good.
 
@@ -54,9 +77,11 @@ class TrainConfig:
             checks.positive(f"train.{key}", getattr(self, key))
         checks.positive("train.log_interval", self.log_interval)
         checks.positive("train.quant_group_size", self.quant_group_size)
+        checks.positive("train.muon_ns_steps", self.muon_ns_steps)
         for key in ("warmup_steps", "lr_decay_steps", "weight_decay", "grad_clip"):
             checks.non_negative(f"train.{key}", getattr(self, key))
         checks.non_negative("train.checkpoint_interval", self.checkpoint_interval)
+        checks.non_negative("train.eval_batch_size", self.eval_batch_size)
         checks.non_negative("train.min_lr", self.min_lr)
         if not 0 <= self.seed <= checks.SEED_MAX:
             raise UsageError(
@@ -70,6 +95,21 @@ class TrainConfig:
                 f"train.min_lr ({self.min_lr}) must not exceed train.learning_rate "
                 f"({self.learning_rate})"
             )
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(
+                f"train.optimizer must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}"
+            )
+        if self.lr_schedule not in SCHEDULES:
+            raise UsageError(
+                f"train.lr_schedule must be one of {', '.join(SCHEDULES)}; got {self.lr_schedule!r}"
+            )
+        checks.finite("train.muon_learning_rate", self.muon_learning_rate)
+        if self.muon_learning_rate <= 0:
+            raise UsageError(
+                f"train.muon_learning_rate must be positive, got {self.muon_learning_rate}"
+            )
+        if not 0 <= self.decay_fraction <= 1:  # also false for NaN
+            raise UsageError(f"train.decay_fraction must be in [0, 1], got {self.decay_fraction}")
         for key, value in {"train.beta1": self.beta1, "train.beta2": self.beta2}.items():
             if not 0 <= value < 1:  # also false for NaN
                 raise UsageError(f"{key} must be in [0, 1), got {value}")
@@ -78,7 +118,7 @@ class TrainConfig:
                 f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "
                 f"({self.grad_accum})"
             )
-        check_cpu_devices(self.cpu_devices, self.micro_batch)
+        check_cpu_devices(self.cpu_devices, self.shared_rows)
         if self.qat_bits not in (0, 4, 8):
             raise UsageError(f"train.qat_bits must be 0 (off), 8 or 4, got {self.qat_bits}")
         return self

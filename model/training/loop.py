@@ -42,6 +42,13 @@ class LoopState:
     rate_since: tuple[float, int]  # (time, step) the next tokens/s figure is measured from
     pending: tuple[int, dict] | None = None  # (step, metrics still on the device)
     record: dict = field(default_factory=dict)  # the newest logged train (and eval) values
+    # Seconds spent apart from stepping: the first step (tracing and compiling it, or reading
+    # it from the compilation cache), evaluations, checkpoints, the loss plot.
+    spent: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, what: str, since: float) -> None:
+        """Add the time from `since` until now to `spent[what]`."""
+        self.spent[what] = self.spent.get(what, 0.0) + time.perf_counter() - since
 
 
 class TrainingLoop:
@@ -75,8 +82,10 @@ class TrainingLoop:
                 stopped_early = self._train(stop)
                 if stopped_early or stop.requested is not None:
                     self._stop(stop)
+                since = time.perf_counter()
                 with stop.critical():
                     self.checkpoints.wait()
+                self.state.timed("checkpoints", since)
             except TrainingDiverged as err:
                 if self.state.saved_step is None:
                     raise TrainingDiverged(
@@ -99,9 +108,13 @@ class TrainingLoop:
             if stop_agreed(stop.requested is not None, s.step, t.log_interval):
                 return True
             x, y = trainer.batch(self.splits.train, s.step)
+            since = time.perf_counter()
             trainer.params, trainer.opt_state, metrics = trainer.train_step(
                 trainer.params, trainer.opt_state, x, y, s.step
             )
+            if "first step" not in s.spent:  # jit compiles before it dispatches: wait for it
+                jax.block_until_ready(metrics)
+                s.timed("first step", since)
             s.step += 1
             self._flush()  # the previous log step's metrics: ready by now, this hardly waits
             if s.step % t.log_interval == 0 or s.step == t.max_steps:
@@ -110,8 +123,12 @@ class TrainingLoop:
             if is_eval or s.step % checkpoint_every == 0:
                 self._flush()  # the NaN check, before anything is saved
                 if is_eval:
+                    since = time.perf_counter()
                     self._evaluate()
+                    s.timed("evaluation", since)
+                since = time.perf_counter()
                 self._save(stop)
+                s.timed("checkpoints", since)
         return False
 
     def _flush(self) -> None:
@@ -193,11 +210,30 @@ class TrainingLoop:
         raise Stopped(signum, f"interrupted by {signal.Signals(signum).name}: {kept}")
 
     def _finish(self) -> dict:
+        since = time.perf_counter()
         plot = plot_losses(self.run_dir)
+        self.state.timed("loss plot", since)
         record = self.state.record
         self.bar.message(
             f"train: done, {self.state.step} steps in {time.perf_counter() - self.t0:.1f} s; "
             f"final val loss {record.get('val_loss', math.nan):.4f}, val bpb "
             f"{record.get('val_bpb', math.nan):.4f}" + (f"; loss curve {plot}" if plot else "")
         )
+        self.bar.message(f"train: time spent: {self._time_spent()}")
         return record
+
+    def _time_spent(self) -> str:
+        """Where the loop's time went: the first step, the other steps, evaluation, ...
+
+        >>> loop = TrainingLoop.__new__(TrainingLoop)
+        >>> loop.t0, loop.state = time.perf_counter() - 10, LoopState(0, None, (0, 0))
+        >>> loop.state.spent = {"first step": 1.0, "evaluation": 2.0}
+        >>> loop._time_spent()
+        'first step 1.0 s, other steps 7.0 s, evaluation 2.0 s'
+        """
+        spent = self.state.spent
+        total = time.perf_counter() - self.t0
+        steps = total - sum(spent.values())
+        parts = [("first step", spent.get("first step", 0.0)), ("other steps", steps)]
+        parts += [(k, v) for k, v in spent.items() if k != "first step"]
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts)

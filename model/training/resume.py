@@ -63,6 +63,17 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, tokenizer_sha: str) -> 
 _DATA_FIELDS = ("input", "dataset", "dataset_config", "split", "text_field", "val_fraction")
 
 
+def check_same_optimizer(meta: dict, optimizer: str) -> None:
+    """A resumed run continues its checkpoint's optimizer state: the same train.optimizer
+    (a run saved before the option existed trained with AdamW)."""
+    saved = meta["config"].get("train", {}).get("optimizer", "adamw")
+    if saved != optimizer:
+        raise UsageError(
+            f"train.optimizer is {saved!r} in the checkpoint but {optimizer!r} now: its state "
+            "cannot continue another optimizer; drop the override or train a new run"
+        )
+
+
 def resumed_data(data: DataConfig, meta: dict) -> DataConfig:
     """`data` with the settings the checkpoint was trained on: one left at its default takes
     the run's value; one given (a flag, an override) must equal it (UsageError)."""

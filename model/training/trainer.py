@@ -76,6 +76,22 @@ def evaluate_windows(model: GPT, tokens: np.ndarray, rows: int = 64) -> float:
     return total / len(starts)
 
 
+def initial_state(model_cfg: ModelConfig, seed: int):
+    """(graphdef, params, rest) of a freshly initialised GPT, its initialisers run as one
+    compiled program: run one by one, each would compile a program of its own (most of a
+    small model's start-up), and as one the persistent compilation cache keeps it. The
+    random draws are the eager ones (jax.random is the same under jit), the values equal to
+    float rounding."""
+
+    def build():
+        return nnx.split(GPT(model_cfg, rngs=nnx.Rngs(params=seed)), nnx.Param, ...)
+
+    abstract = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(params=seed)))
+    graphdef = nnx.split(abstract, nnx.Param, ...)[0]
+    params, rest = jax.jit(lambda: build()[1:])()
+    return graphdef, params, rest
+
+
 class Trainer:
     """Model + optimizer state on the mesh, the compiled step, evaluation."""
 
@@ -85,9 +101,9 @@ class Trainer:
         self.mesh = data_mesh()
         self.micro_batch = t.micro_batch
         check_batch_divisible(self.micro_batch, self.mesh)
-        model = GPT(model_cfg, rngs=nnx.Rngs(params=t.seed))
-        self.n_params = count_params(model)
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        check_batch_divisible(t.eval_rows, self.mesh, "the validation batch (train.eval_batch_size")
+        self.graphdef, params, self.rest = initial_state(model_cfg, t.seed)
+        self.n_params = count_params(nnx.merge(self.graphdef, params, self.rest))
         shardings = param_shardings(params, self.mesh, t.fsdp)
         self.params = jax.device_put(params, shardings)
         self.tx = make_optimizer(t)
@@ -157,10 +173,12 @@ class Trainer:
     # -- host side -------------------------------------------------------------------------
 
     def batch(self, tokens: np.ndarray, step: int, stream: int = 0, rows: int | None = None):
+        """Sequences of `step` on the mesh: the training batch as [grad_accum, micro, T], or
+        with `rows`, [1, rows, T] (validation)."""
         t = self.train_cfg
+        accum = t.grad_accum if rows is None else 1
         rows = rows or t.batch_size
         x, y = sample_batch(tokens, rows, self.model_cfg.block_size, t.seed, step, stream)
-        accum = t.grad_accum if rows == t.batch_size else 1
         shape = (accum, rows // accum, x.shape[1])
         return (
             put_batch(x.reshape(shape), self.batch_sharding),
@@ -171,6 +189,6 @@ class Trainer:
         """Mean validation loss over `eval_steps` fixed batches (the same at every eval)."""
         total = jnp.float32(0)
         for i in range(self.train_cfg.eval_steps):
-            x, y = self.batch(splits.val, i, stream=1, rows=self.micro_batch)
+            x, y = self.batch(splits.val, i, stream=1, rows=self.train_cfg.eval_rows)
             total = total + self.eval_step(self.params, x[0], y[0])
         return float(total) / self.train_cfg.eval_steps
