@@ -39,24 +39,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone, uninstalled
 
+from bench_train import NANOGPT_ARGS  # noqa: E402  (this script's folder is on sys.path)
+
 from plumbing.cli import OneLineParser  # noqa: E402
 
 FAST_CONFIG = ROOT / "configs" / "shakespeare_char_fast.toml"
+# nanoGPT README's CPU command (scripts/bench_train.py keeps it), to the end, with 200 eval
+# batches: nanoGPT's configurator lets a later --key=value win.
 NANOGPT_COMMAND = [
     "train.py",
-    "config/train_shakespeare_char.py",
-    "--device=cpu",
-    "--compile=False",
+    *NANOGPT_ARGS,
     "--eval_iters=200",
-    "--log_interval=1",
-    "--block_size=64",
-    "--batch_size=12",
-    "--n_layer=4",
-    "--n_head=4",
-    "--n_embd=128",
     "--max_iters=2000",
     "--lr_decay_iters=2000",
-    "--dropout=0.0",
 ]
 NANOGPT_FILES = ["train.py", "model.py", "configurator.py", "config"]
 # Each recipe option of the fast config, undone: (name, overrides).
