@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from plumbing.cli import OneLineParser, os_error_line, printable
+from plumbing.cli import OneLineParser, os_error_line, printable, show_debug_log
 from plumbing.progress import clear_line
 
 ROOT = Path(__file__).resolve().parent
@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     from plumbing.signals import Stopped, raise_on_sigterm
 
     raise_on_sigterm()  # SIGTERM unwinds like Ctrl-C: temp files are removed on the way out
-    if not args.debug:
+    if args.debug:
+        show_debug_log()
+    else:
         quiet_background_errors()
     try:
         return run(args)

@@ -124,7 +124,8 @@ def _starting_weights(trainer: Trainer, checkpoints: Checkpoints, cfg: Config, r
     (--resume), GPT-2's (--init-from) or the fresh initialisation. Returns the step."""
     if resume:
         step, (trainer.params, trainer.opt_state, _) = checkpoints.restore_newest(
-            lambda step: checkpoints.restore(step, trainer.params, trainer.opt_state)
+            lambda step: checkpoints.restore(step, trainer.params, trainer.opt_state),
+            purpose="resuming from",
         )
         check_steps_left(step, cfg.train.max_steps)
         return step

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -50,10 +51,24 @@ def os_error_line(err: OSError) -> str:
     ) + " (check the path, its permissions and free space; --debug shows the traceback)"
 
 
+def show_debug_log() -> None:
+    """`--debug`: print the `tinyllm` logger's debug records on stderr: what a library said
+    behind a one-line message (a damaged checkpoint's TensorStore error, say)."""
+    logger = logging.getLogger("tinyllm")
+    logger.setLevel(logging.DEBUG)
+    if not any(getattr(h, "_tinyllm_debug", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tinyllm: debug: %(message)s"))
+        handler._tinyllm_debug = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+
+
 @contextlib.contextmanager
 def one_line_errors(name: str, debug: bool = False) -> Iterator[None]:
     """Turn a UsageError or an OSError raised in the block into one line on stderr and
-    `SystemExit(2)`; with `debug`, let it raise with its traceback."""
+    `SystemExit(2)`; with `debug`, let it raise with its traceback (and show the debug log)."""
+    if debug:
+        show_debug_log()
     try:
         yield
     except (UsageError, OSError) as err:

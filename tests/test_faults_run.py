@@ -206,18 +206,20 @@ def test_a_second_writer_is_refused_and_a_killed_writer_leaves_no_lock(
 # -- damaged checkpoints -------------------------------------------------------------------
 
 
-def garble(step_dir: Path) -> None:
-    """Bit rot: flip bytes in the middle of every data file of the params item."""
-    for path in (step_dir / "params").rglob("*"):
+def garble(step_dir: Path, item: str = "params", size: int = 16) -> None:
+    """Bit rot: flip `size` bytes in the middle of every data file of an item."""
+    for path in (step_dir / item).rglob("*"):
         if path.is_file() and path.stat().st_size > 64 and "d" in path.parent.name:
             data = bytearray(path.read_bytes())
-            for i in range(len(data) // 3, len(data) // 3 + 16):
+            start = len(data) // 3
+            for i in range(start, min(start + size, len(data))):
                 data[i] ^= 0x5A
             path.write_bytes(bytes(data))
 
 
 DAMAGE = {
     "garbled-weights": garble,
+    "garbled-8kb": lambda d: garble(d, size=8192),
     "truncated-data": lambda d: [
         os.truncate(p, p.stat().st_size // 2)
         for p in (d / "params").rglob("*")
@@ -237,12 +239,53 @@ def test_damaged_latest_checkpoint_falls_back_to_the_intact_one(
         capsys, "--inference", "--out", run_copy, "--prompt", "to", "--max-new-tokens", "4"
     )
     assert code == 0, lines
-    warnings = [line for line in lines if "checkpoint step 8" in line and "damaged" in line]
-    assert len(warnings) == 1 and not any("Traceback" in line for line in lines)
+    (warning,) = [line for line in lines if line.startswith("tinyllm: warning:")]
+    assert "checkpoint step 8" in warning and warning.endswith("; using step 4 instead")
+    assert_readable(warning)
+    assert not any("Traceback" in line for line in lines)
     # --resume falls back too, moves the damaged step aside, and trains steps 5-8 again.
     code, lines = run_cli(capsys, "--train", "--resume", *cli_args(corpus, run_copy))
     assert code == 0, lines
+    warnings = [line for line in lines if line.startswith("tinyllm: warning:")]
+    assert len(warnings) == 1, warnings
+    (warning,) = warnings
+    assert "step 8" in warning and "resuming from step 4 instead" in warning
+    assert str(run_copy / DAMAGED_DIR / "8") in warning
     assert (run_copy / DAMAGED_DIR / "8").is_dir()
+    assert_replays(run_copy, trained)
+
+
+def assert_readable(line: str) -> None:
+    """One sentence of ours: none of the libraries' reprs or internals."""
+    for leak in ("TensorStore", "slice(", "<bound", "Error:", "index:", "pybind", "{", "'"):
+        assert leak not in line, (leak, line)
+
+
+def test_damage_is_named_by_part_and_detailed_under_debug(run_copy, capsys, trained):
+    garble(run_copy / "checkpoints" / "8", size=8192)
+    argv = ["--inference", "--out", run_copy, "--prompt", "to", "--max-new-tokens", "4"]
+    code, lines = run_cli(capsys, *argv)
+    (warning,) = [line for line in lines if line.startswith("tinyllm: warning:")]
+    assert code == 0 and "is damaged: its parameters " in warning, warning
+    assert not any(line.startswith("tinyllm: debug:") for line in lines)
+    code, lines = run_cli(capsys, *argv, "--debug")
+    (detail,) = [line for line in lines if line.startswith("tinyllm: debug:")]
+    assert code == 0 and "checkpoint step 8" in detail and len(detail) > len(warning)
+
+
+def test_damaged_optimizer_state_is_named_and_resume_falls_back(run_copy, capsys, corpus, trained):
+    garble(run_copy / "checkpoints" / "8", item="opt_state", size=8192)
+    # Sampling reads the parameters alone: the step is intact for it.
+    code, lines = run_cli(
+        capsys, "--inference", "--out", run_copy, "--prompt", "to", "--max-new-tokens", "4"
+    )
+    assert code == 0 and not any("warning" in line for line in lines), lines
+    code, lines = run_cli(capsys, "--train", "--resume", *cli_args(corpus, run_copy))
+    assert code == 0, lines
+    (warning,) = [line for line in lines if line.startswith("tinyllm: warning:")]
+    assert "checkpoint step 8" in warning and "its optimizer state " in warning, warning
+    assert "resuming from step 4 instead" in warning
+    assert_readable(warning.split(" (moved to ")[0])
     assert_replays(run_copy, trained)
 
 

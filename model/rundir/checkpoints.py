@@ -8,11 +8,13 @@ are functions of (seed, step), so the step is that state), plus a checksum of ev
 saved (`checksums`, see `tree_checksums`).
 
 Restoring verifies those checksums. A checkpoint that cannot be read or does not match its
-checksums is *damaged*: `restore_newest` warns in one line and falls back to the newest intact
-one; a writer (the training run, which holds the run-directory lock) moves damaged steps out
-of the way into `run_dir/damaged-checkpoints/`, so that nothing is lost and the step can be
-saved again. Old steps are deleted by first renaming them into `checkpoints/.deleting/`
-(atomic), so an interrupted deletion never leaves a half-deleted step that looks like a
+checksums is *damaged*: `restore_newest` falls back to the newest intact one and says so in one
+sentence that names the damaged part and the step used instead (the library's own error text
+goes to the `tinyllm` debug log, which `--debug` shows). A writer (the training run, which
+holds the run-directory lock) moves damaged steps out of the way into
+`run_dir/damaged-checkpoints/`, so that nothing is lost and the step can be saved again. Old
+steps are deleted by first renaming them into `checkpoints/.deleting/` (atomic), so an
+interrupted deletion never leaves a half-deleted step that looks like a
 checkpoint.
 
     >>> ckpt = Checkpoints(run_dir)                                # doctest: +SKIP
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import shutil
 import sys
@@ -50,10 +53,21 @@ _DISK_ERRORS = {
 }
 DELETING_SUBDIR = ".deleting"  # inside checkpoints/: old steps renamed here, then removed
 T = TypeVar("T")
+_LOG = logging.getLogger("tinyllm")
+# What each item of a step is, in the sentences users read.
+_ITEM_NAMES = {"params": "parameters", "opt_state": "optimizer state"}
 
 
 class CheckpointDamaged(Exception):
-    """A checkpoint step that cannot be read back intact (the reason is the message)."""
+    """A checkpoint step that cannot be read back intact.
+
+    The message is a short phrase for users ("its parameters cannot be read"); `detail` is
+    what the library said, for the debug log.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(reason)
+        self.detail = detail
 
 
 class Checkpoints:
@@ -103,9 +117,9 @@ class Checkpoints:
         except FileNotFoundError:
             meta = self._restore_meta_with_orbax(step)
         except (OSError, UnicodeDecodeError, ValueError) as err:
-            raise CheckpointDamaged(f"its record is unreadable ({type(err).__name__})") from None
+            raise CheckpointDamaged("its record (meta) cannot be read", repr(err)) from None
         if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
-            raise CheckpointDamaged("its record holds no config")
+            raise CheckpointDamaged("its record (meta) holds no config")
         return meta
 
     def _restore_meta_with_orbax(self, step: int) -> Any:
@@ -116,7 +130,7 @@ class Checkpoints:
             return dict(restored["meta"])
         except Exception as err:  # orbax/TensorStore raise many types for a broken step
             raise CheckpointDamaged(
-                f"its record is missing or unreadable ({_first_line(err)})"
+                "its record (meta) is missing or unreadable", repr(err)
             ) from None
 
     def restore(self, step: int, params_like: Any, opt_state_like: Any = None):
@@ -124,27 +138,32 @@ class Checkpoints:
         `params_like`/`opt_state_like`. CheckpointDamaged if anything cannot be read or does
         not match the checksums saved with it."""
         meta = self.read_meta(step)
-        args = {"params": ocp.args.StandardRestore(_abstract(params_like))}
-        if opt_state_like is not None:
-            args["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state_like))
-        try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-        except Exception as err:  # orbax/TensorStore raise many types for a broken step
-            raise CheckpointDamaged(f"it cannot be read ({_first_line(err)})") from None
-        params = restored["params"]
-        opt_state = restored["opt_state"] if opt_state_like is not None else None
         saved = meta.get("checksums")
-        if saved is not None:  # checkpoints written before checksums existed have none
-            _verify(saved.get("params"), params, "params")
-            if opt_state is not None:
-                _verify(saved.get("opt_state"), opt_state, "optimizer state")
+        params = self._restore_item(step, "params", params_like, saved)
+        opt_state = None
+        if opt_state_like is not None:
+            opt_state = self._restore_item(step, "opt_state", opt_state_like, saved)
         return params, opt_state, meta
 
-    def restore_newest(self, load: Callable[[int], T]) -> tuple[int, T]:
+    def _restore_item(self, step: int, item: str, like: Any, checksums: dict | None) -> Any:
+        """One item of `step`, restored alone so that damage is pinned on the item it hit,
+        then checked against its checksums (checkpoints from before checksums have none)."""
+        what = _ITEM_NAMES[item]
+        args = ocp.args.Composite(**{item: ocp.args.StandardRestore(_abstract(like))})
+        try:
+            tree = self._manager.restore(step, args=args)[item]
+        except Exception as err:  # orbax/TensorStore raise many types for a broken step
+            raise CheckpointDamaged(f"its {what} cannot be read", repr(err)) from None
+        if checksums is not None:
+            _verify(checksums.get(item), tree, what)
+        return tree
+
+    def restore_newest(self, load: Callable[[int], T], purpose: str = "using") -> tuple[int, T]:
         """(step, load(step)) for the newest step that `load` reads intact.
 
-        Each damaged step gets one warning line on stderr and the next older one is tried.
-        Once an intact step is found, a writer moves the damaged newer ones into
+        Damaged steps are skipped. Once an intact step is found, each damaged newer step gets
+        one warning sentence on stderr, naming what is damaged and the step used instead
+        (`purpose`: "sampling from", "resuming from"), and a writer moves it into
         `damaged-checkpoints/` (kept, and out of the way of the steps training will save
         again). UsageError if none is intact; then nothing is moved.
         """
@@ -154,16 +173,19 @@ class Checkpoints:
                 result = load(step)
             except CheckpointDamaged as err:
                 damaged.append((step, str(err)))
-                sys.stderr.write(
-                    f"tinyllm: warning: checkpoint step {step} in {self.directory} is "
-                    f"damaged ({err}); trying an older one\n"
+                _LOG.debug(
+                    "checkpoint step %d in %s: %s (%s)", step, self.directory, err, err.detail
                 )
                 continue
-            if not self.read_only and is_primary():
-                for bad, _ in damaged:
+            for bad, why in damaged:
+                where = None
+                if not self.read_only and is_primary():
                     where = self._quarantine(bad)
-                    if where is not None:
-                        sys.stderr.write(f"tinyllm: moved damaged step {bad} to {where}\n")
+                kept = f" (moved to {where})" if where is not None else ""
+                sys.stderr.write(
+                    f"tinyllm: warning: checkpoint step {bad} in {self.directory} is damaged: "
+                    f"{why}; {purpose} step {step} instead{kept}\n"
+                )
             return step, result
         if damaged:
             listed = "; ".join(f"step {step}: {why}" for step, why in damaged)
@@ -312,17 +334,17 @@ def _host_checksum(x: np.ndarray) -> int:
 def _verify(saved: Any, tree: Any, what: str) -> None:
     ours = tree_checksums(tree)
     if not isinstance(saved, list) or len(saved) != len(ours):
-        raise CheckpointDamaged(f"its {what} checksums are missing or malformed")
+        raise CheckpointDamaged(f"the checksums of its {what} are missing or malformed")
     bad = [i for i, (a, b) in enumerate(zip(saved, ours, strict=True)) if a != b]
     if bad:
         paths = [
-            jax.tree_util.keystr(p)
+            jax.tree_util.keystr(p, simple=True, separator="/")
             for p, x in jax.tree_util.tree_leaves_with_path(tree)
             if isinstance(x, jax.Array)
         ]
+        arrays = f"{len(bad)} arrays" if len(bad) > 1 else "1 array"
         raise CheckpointDamaged(
-            f"{what} {paths[bad[0]]} does not match its checksum"
-            + (f" (and {len(bad) - 1} more arrays)" if len(bad) > 1 else "")
+            f"its {what} fail their checksums ({arrays}, first {paths[bad[0]]})"
         )
 
 
@@ -333,9 +355,3 @@ def _abstract(tree: Any) -> Any:
         return x
 
     return jax.tree_util.tree_map(leaf, tree)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    first = text.splitlines()[0] if text else type(err).__name__
-    return first[:200]

@@ -137,7 +137,7 @@ def _restore_newest(run_dir: Path, cache: ProgramCache | None = None):
         try:
             model_cfg = model_config_of(meta["config"]).validate()
         except UsageError as err:
-            raise CheckpointDamaged(f"its config is invalid ({err})") from None
+            raise CheckpointDamaged("its saved config is invalid", str(err)) from None
         graphdef, abstract, rest = abstract_model(model_cfg, cache)
         params, _, _ = checkpoints.restore(step, abstract)
         return graphdef, params, rest, meta
