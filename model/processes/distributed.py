@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from model.processes.stderr_guard import drain_native_stderr, guard_native_stderr
 from plumbing.errors import UsageError
 
 SWITCH = "TINYLLM_DISTRIBUTED"  # 1: initialise (cluster auto-detection); 0: never
@@ -178,7 +179,22 @@ def initialize_from_env() -> bool:
             "training processes from: set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
             f"JAX_PROCESS_ID on every process ({err})"
         ) from None
+    # JAX's coordination service aborts a process that lost a peer with a C++ fatal log and
+    # stack trace: a filter on the native side of stderr turns it into our one line.
+    guard_native_stderr(lost_peer_line(jax.process_index(), "{detail}"))
     return True
+
+
+def lost_peer_line(index: int, detail: str) -> str:
+    """The one line a training process ends with when it loses a peer.
+
+    >>> lost_peer_line(1, "connection reset")[:60]
+    'tinyllm: error: training process 1 lost another training pr'
+    """
+    return (
+        f"tinyllm: error: training process {index} lost another training process ({detail}): "
+        "see the other processes' output; --resume continues from the last checkpoint"
+    )
 
 
 def is_primary() -> bool:
@@ -249,12 +265,12 @@ def stop_after_peer_failure(err: BaseException) -> None:
         return
     if not isinstance(err, jax.errors.JaxRuntimeError):
         return
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    sys.stderr.write(
-        f"tinyllm: error: training process {jax.process_index()} lost another training "
-        f"process ({first[:300]}): see the other processes' output; --resume continues from "
-        "the last checkpoint\n"
-    )
+    text = str(err).strip()
+    first = text.splitlines()[0][:300] if text else type(err).__name__
+    sys.stderr.flush()
+    # To fd 2, the native side: when JAX's runtime reports the same loss at the same moment,
+    # the filter there (stderr_guard.py) prints only the first of the two lines.
+    os.write(2, (lost_peer_line(jax.process_index(), first) + "\n").encode())
     exit_if_distributed(1)
 
 
@@ -266,6 +282,7 @@ def exit_if_distributed(code: int) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    drain_native_stderr()
     if jax.process_index() == 0:
         # Process 0 hosts JAX's coordination service: peers that stop at the same time (an
         # agreed Ctrl-C, the same error everywhere) get to print their own line before it goes.
