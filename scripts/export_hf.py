@@ -6,8 +6,9 @@
         m = AutoModelForCausalLM.from_pretrained('hf/shakespeare'); \\
         t = AutoTokenizer.from_pretrained('hf/shakespeare')"
 
-Writes config.json (GPT2Config), model.safetensors (float32), vocab.json + merges.txt and
-tokenizer_config.json. A quantized run exports its dequantized weights; a model trained
+Writes config.json (GPT2Config), model.safetensors (float32), the tokenizer as
+tokenizer.json (transformers 5 reads only it) and as vocab.json + merges.txt (older readers),
+and tokenizer_config.json. A quantized run exports its dequantized weights; a model trained
 without biases exports zero biases (the same function). Runs that GPT-2's format cannot
 express (RoPE, RMSNorm, SwiGLU, MoE, a character-level or GPT-4-pattern tokenizer) are
 refused with one line naming the option, exit code 2.

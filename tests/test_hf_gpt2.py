@@ -36,6 +36,13 @@ from tokenizer import BPETokenizer, CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
+# Text a tokenizer can get wrong: a special token, bytes of multi-byte characters split over
+# tokens, combining marks, emoji, a non-breaking space, runs of whitespace, contractions.
+ODD_TEXTS = [
+    "to be or not<|endoftext|>whether tis nobler",
+    "héllo wörld 日本語 🤗🤗 e\u0301 x\u00a0y",
+    "  to\t\tbe\n\n\nor   not  \r\n it's we'll 12345 <|endoftext|><|endoftext|>",
+]
 
 _spec = importlib.util.spec_from_file_location("export_hf_script", ROOT / "scripts/export_hf.py")
 export_script = importlib.util.module_from_spec(_spec)
@@ -259,7 +266,7 @@ def test_inference_samples_gpt2_directly(hf, bpe, gpt2_dir, tmp_path, capsys):
         ("llama", "model_type 'llama' is not GPT-2"),
         ("missing-tensor", "tensor transformer.h.1.mlp.c_fc.weight is missing"),
         ("wrong-shape", "has shape"),
-        ("no-vocab", "vocab.json missing"),
+        ("no-vocab", "tokenizer.json (or vocab.json) missing"),
     ],
 )
 def test_a_directory_that_is_not_gpt2_is_one_line_and_exit_2(
@@ -396,6 +403,7 @@ def test_export_loads_in_transformers_with_our_logits_and_greedy_text(hf, traine
     assert {p.name for p in out.iterdir()} >= {
         "config.json",
         "model.safetensors",
+        "tokenizer.json",
         "vocab.json",
         "merges.txt",
     }
@@ -425,6 +433,34 @@ def test_export_loads_in_transformers_with_our_logits_and_greedy_text(hf, traine
     ours = ours[: ours.index(eot) + 1] if eot in ours else ours  # both stop at EOT
     assert their_tokenizer.decode(greedy) == tokenizer.decode(ours)
     assert greedy == ours
+
+
+def test_export_loads_in_transformers_from_tokenizer_json_alone(hf, trained_run, tmp_path):
+    """transformers 5's layout: tokenizer.json is the tokenizer, vocab.json + merges.txt gone.
+    transformers, the tokenizers library and --init-from all read our tokenizer back."""
+    _, transformers = hf
+    tokenizers = pytest.importorskip("tokenizers")
+    out = export_run(trained_run, tmp_path / "hf")
+    (out / "vocab.json").unlink()
+    (out / "merges.txt").unlink()
+    tokenizer, model, _ = open_trained_run(trained_run).load()
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    library = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    for text in ODD_TEXTS:
+        ids = tokenizer.encode(text)
+        assert their_tokenizer(text)["input_ids"] == ids, text
+        assert library.encode(text).ids == ids, text
+        assert their_tokenizer.decode(ids) == tokenizer.decode(ids), text
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = [tokenizer.encode(ODD_TEXTS[0])[:16]]
+    np.testing.assert_allclose(
+        forward(model, jnp.asarray(ids, jnp.int32)), torch_logits(hf, theirs, ids), atol=1e-4
+    )
+    from model.interop.hf_import import load_hf_tokenizer
+
+    back = load_hf_tokenizer(str(out))
+    assert (back.vocab, back.merges) == (tokenizer.vocab, tokenizer.merges)
+    assert back.special_tokens == tokenizer.special_tokens
 
 
 def test_quantized_runs_export_dequantized(hf, trained_run, tmp_path):

@@ -22,7 +22,12 @@ from plumbing.errors import UsageError
 from tokenizer import c_core
 from tokenizer.base import Tokenizer, normalize_specials
 from tokenizer.bpe_train import train_merges
-from tokenizer.gpt2_files import read_gpt2_files, read_tiktoken_file, write_gpt2_files
+from tokenizer.gpt2_files import (
+    read_gpt2_files,
+    read_tiktoken_file,
+    read_tokenizer_json,
+    write_gpt2_files,
+)
 from tokenizer.pretokenize import compile_pattern, count_chunks
 
 _SINGLE_BYTES = [bytes([b]) for b in range(256)]
@@ -141,6 +146,19 @@ class BPETokenizer(Tokenizer):
         """
         vocab, merges, literal = read_gpt2_files(vocab_json, merges_txt)
         return cls(vocab, merges, _assign_specials(vocab, special_tokens, literal, merges), "gpt2")
+
+    @classmethod
+    def from_tokenizer_json(
+        cls, path: str | os.PathLike, special_tokens: Iterable[str] | None = None
+    ) -> Self:
+        """Load a Hugging Face `tokenizer.json` of GPT-2's kind (all transformers 5 saves).
+
+        Its added tokens (`<|endoftext|>`) are the special tokens, with their ids; or give
+        `special_tokens` to choose them (one the file lacks gets a new id after the largest).
+        """
+        vocab, merges, added = read_tokenizer_json(path)
+        chosen = added if special_tokens is None else special_tokens
+        return cls(vocab, merges, _assign_specials(vocab, chosen, added, merges), "gpt2")
 
     @classmethod
     def from_tiktoken(

@@ -4,6 +4,9 @@ GPT-2 stores byte strings as printable unicode strings: every byte maps to one c
 (printable ASCII/Latin-1 bytes to themselves, the others to U+0100 and up), so `Ġ` is a space.
 `vocab.json` (OpenAI's `encoder.json`) maps such strings to ids; `merges.txt` (`vocab.bpe`)
 lists the merges in rank order, one "left right" pair per line after a "#version" header.
+A Hugging Face `tokenizer.json` (all transformers 5 saves) holds the same vocab and merges
+in one JSON document, with the special tokens as `added_tokens`; only GPT-2's kind is read
+(a byte-level BPE model splitting text with GPT-2's regex, no normalizer).
 A `.tiktoken` file has one "base64(token) rank" per line and no merges: they are recovered.
 
     >>> bytes_to_unicode()[ord(" ")]
@@ -113,14 +116,180 @@ def write_gpt2_files(
 ) -> None:
     """Write vocab.json + merges.txt in GPT-2's format (special tokens as literal strings,
     as GPT-2's own vocab.json has `<|endoftext|>`)."""
+    lines = ["#version: 0.2", *_merge_lines(merges)]
+    write_atomic(vocab_json, json.dumps(_encoder(vocab, special_tokens), ensure_ascii=False))
+    write_atomic(merges_txt, "\n".join(lines) + "\n")
+
+
+def _encoder(vocab: Vocab, special_tokens: dict[str, int]) -> dict[str, int]:
+    """vocab.json's {token: id}: tokens in printable form, special tokens literally."""
     specials = {idx: text for text, idx in special_tokens.items()}
     encoder: dict[str, int] = {}
     for idx in sorted(vocab):
         key = specials[idx] if idx in specials else encode_token(vocab[idx])
         encoder.setdefault(key, idx)  # a duplicate byte string keeps its lowest id
-    lines = ["#version: 0.2"] + [f"{encode_token(a)} {encode_token(b)}" for a, b in merges]
-    write_atomic(vocab_json, json.dumps(encoder, ensure_ascii=False))
-    write_atomic(merges_txt, "\n".join(lines) + "\n")
+    return encoder
+
+
+def _merge_lines(merges: Merges) -> list[str]:
+    return [f"{encode_token(a)} {encode_token(b)}" for a, b in merges]
+
+
+def write_tokenizer_json(
+    vocab: Vocab, merges: Merges, special_tokens: dict[str, int], path: str | os.PathLike
+) -> None:
+    """Write a Hugging Face `tokenizer.json` for GPT-2's byte-level BPE, as the `tokenizers`
+    library writes GPT-2's: ByteLevel pre-tokenizer (GPT-2's regex, no prefix space), decoder
+    and post-processor, a BPE model, and the special tokens as added (never split) tokens.
+
+    The merges are written as "left right" strings, which every `tokenizers` version reads;
+    the [left, right] pairs it writes since 0.20 would break older ones.
+    """
+    byte_level = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": True,
+    }
+    added = [
+        {
+            "id": idx,
+            "content": text,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for text, idx in sorted(special_tokens.items(), key=lambda kv: kv[1])
+    ]
+    document = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        # add_prefix_space/trim_offsets here only move offsets (the library's GPT-2 values)
+        "post_processor": {**byte_level, "add_prefix_space": True, "trim_offsets": False},
+        "decoder": {**byte_level, "add_prefix_space": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": _encoder(vocab, special_tokens),
+            "merges": _merge_lines(merges),
+        },
+    }
+    write_atomic(path, json.dumps(document, ensure_ascii=False))
+
+
+def read_tokenizer_json(path: str | os.PathLike) -> tuple[Vocab, Merges, dict[str, int]]:
+    """Read a Hugging Face `tokenizer.json` of GPT-2's kind (what transformers 5 saves).
+
+    Returns (vocab id -> bytes, merges in rank order, added tokens text -> id). The merges may
+    be "left right" strings or [left, right] pairs (tokenizers >= 0.20). The added tokens
+    (GPT-2's `<|endoftext|>`, in the vocab or not) are for the special tokens: Hugging Face
+    matches all of them before BPE, as we match special tokens. Anything that would encode
+    text otherwise than GPT-2's byte-level BPE is refused with a UsageError saying why.
+    """
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: not a readable tokenizer.json ({exc})") from None
+    model = document.get("model") if isinstance(document, dict) else None
+    if not isinstance(model, dict):
+        raise UsageError(f"{path}: not a Hugging Face tokenizer.json (no model section)")
+    _check_gpt2_kind(document, model, path)
+    added = _added_tokens(document.get("added_tokens") or [], path)
+    encoder, pairs = model.get("vocab"), model.get("merges")
+    if not isinstance(encoder, dict) or not all(isinstance(i, int) for i in encoder.values()):
+        raise UsageError(f"{path}: model.vocab is not {{token: id}}")
+    if not isinstance(pairs, list):
+        raise UsageError(f"{path}: model.merges is not a list")
+    vocab: Vocab = {}
+    for text, idx in encoder.items():
+        try:
+            vocab[idx] = decode_token(text)
+        except KeyError:
+            if text not in added:
+                raise UsageError(
+                    f"{path}: vocab entry {text!r} is outside GPT-2's byte-to-unicode "
+                    "alphabet: not a byte-level BPE"
+                ) from None
+            vocab[idx] = text.encode("utf-8")
+    merges: Merges = []
+    for rank, pair in enumerate(pairs):
+        parts = pair.split(" ") if isinstance(pair, str) else pair
+        try:
+            if not isinstance(parts, list) or len(parts) != 2:
+                raise KeyError(pair)
+            merges.append((decode_token(parts[0]), decode_token(parts[1])))
+        except (KeyError, TypeError):
+            raise UsageError(
+                f"{path}: merge {rank} ({str(pair)[:40]!r}) is not a pair of byte-level tokens"
+            ) from None
+    return vocab, merges, added
+
+
+def _check_gpt2_kind(document: dict, model: dict, path: str | os.PathLike) -> None:
+    """UsageError unless the tokenizer encodes as GPT-2's: BPE on GPT-2's regex chunks."""
+
+    def kind(section: object) -> str | None:
+        return section.get("type") if isinstance(section, dict) else None
+
+    model_type = model.get("type", "BPE" if "merges" in model else None)  # old files: no type
+    pre, decoder = document.get("pre_tokenizer"), document.get("decoder")
+    problems = [
+        (model_type != "BPE", f"model type {model_type} is not byte-level BPE"),
+        (kind(pre) != "ByteLevel", f"pre_tokenizer {kind(pre)} is not ByteLevel"),
+        (kind(decoder) != "ByteLevel", f"decoder {kind(decoder)} is not ByteLevel"),
+        (
+            document.get("normalizer") is not None,
+            f"normalizer {kind(document.get('normalizer'))} changes the text (GPT-2 has none)",
+        ),
+        (
+            kind(pre) == "ByteLevel" and pre.get("use_regex", True) is not True,
+            "pre_tokenizer ByteLevel without use_regex does not split with GPT-2's regex",
+        ),
+        (
+            kind(pre) == "ByteLevel" and bool(pre.get("add_prefix_space")),
+            "pre_tokenizer ByteLevel adds a prefix space (GPT-2's does not)",
+        ),
+    ]
+    for key in ("continuing_subword_prefix", "end_of_word_suffix", "ignore_merges"):
+        problems.append((bool(model.get(key)), f"model.{key}={model.get(key)!r} is not GPT-2's"))
+    for bad, why in problems:
+        if bad:
+            raise UsageError(f"{path}: {why}; only GPT-2's byte-level BPE tokenizers load")
+
+
+def _added_tokens(entries: object, path: str | os.PathLike) -> dict[str, int]:
+    """added_tokens as {text: id}; UsageError for a malformed entry or matching options our
+    special tokens lack (lstrip, rstrip, single_word change what is matched)."""
+    if not isinstance(entries, list):
+        raise UsageError(f"{path}: added_tokens is not a list")
+    added: dict[str, int] = {}
+    for entry in entries:
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("content"), str)
+            and isinstance(entry.get("id"), int)
+        ):
+            raise UsageError(f"{path}: added_tokens entry {str(entry)[:60]!r} lacks content or id")
+        option = next((o for o in ("lstrip", "rstrip", "single_word") if entry.get(o)), None)
+        if option:
+            raise UsageError(
+                f"{path}: added token {entry['content']!r} sets {option}, which tinyllm's "
+                "special tokens do not support"
+            )
+        added[entry["content"]] = entry["id"]
+    return added
 
 
 def read_tiktoken_file(path: str | os.PathLike) -> tuple[Vocab, Merges]:

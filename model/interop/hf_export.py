@@ -17,6 +17,7 @@ from model.interop.hf_format import (
     CONFIG_JSON,
     EOT,
     MERGES_TXT,
+    TOKENIZER_JSON,
     VOCAB_JSON,
     WEIGHTS,
     check_exportable,
@@ -28,12 +29,14 @@ from model.rundir.trained import open_trained_run
 from plumbing.atomic import staged_directory
 from plumbing.errors import UsageError
 from tokenizer import BPETokenizer
+from tokenizer.gpt2_files import write_tokenizer_json
 from tokenizer.pretokenize import PATTERNS
 
 
 def export_run(run_dir: Path, out_dir: Path) -> Path:
     """Write a trained run (float or quantized, dequantized) as a GPT-2 checkpoint directory:
-    config.json, model.safetensors, vocab.json, merges.txt, tokenizer_config.json.
+    config.json, model.safetensors, the tokenizer both as tokenizer.json (what transformers 5
+    reads and writes) and as vocab.json + merges.txt (older readers), tokenizer_config.json.
     UsageError for what GPT-2's format cannot hold, found from the run's config and tokenizer
     before any weights are read."""
     from safetensors.numpy import save_file
@@ -62,6 +65,9 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
         save_file(params_to_hf(params, cfg), str(staging / WEIGHTS), metadata={"format": "pt"})
         (staging / CONFIG_JSON).write_text(json.dumps(hf_config_of(cfg, eot), indent=2))
         tokenizer.export_gpt2_files(staging / VOCAB_JSON, staging / MERGES_TXT)
+        write_tokenizer_json(
+            tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens, staging / TOKENIZER_JSON
+        )
         (staging / "tokenizer_config.json").write_text(
             json.dumps(_tokenizer_config(tokenizer, cfg), indent=2)
         )

@@ -1,8 +1,10 @@
 """GPT-2's Hugging Face format: config.json <-> ModelConfig, safetensors names <-> our params.
 
 A GPT-2 directory (what `save_pretrained` writes, or the hub's openai-community/gpt2) holds
-`config.json` (GPT2Config), `model.safetensors` and the tokenizer's `vocab.json` +
-`merges.txt`. Our GPT is GPT-2's architecture with a few switches, so the mapping is names:
+`config.json` (GPT2Config), `model.safetensors` and the tokenizer: `tokenizer.json` (all
+transformers 5 writes), or `vocab.json` + `merges.txt` (transformers 4, the hub). When both
+are there tokenizer.json is read, as transformers does. Our GPT is GPT-2's architecture with
+a few switches, so the mapping is names:
 
     ours (nnx path)                   Hugging Face (safetensors key)
     wte/embedding [V, D]              transformer.wte.weight [V, D]
@@ -37,12 +39,15 @@ from model.network.config import ModelConfig
 from model.network.params import path_names
 from plumbing.errors import UsageError
 
-CONFIG_JSON, WEIGHTS, VOCAB_JSON, MERGES_TXT = (
+CONFIG_JSON, WEIGHTS, TOKENIZER_JSON, VOCAB_JSON, MERGES_TXT = (
     "config.json",
     "model.safetensors",
+    "tokenizer.json",
     "vocab.json",
     "merges.txt",
 )
+# A tokenizer's files, in order of preference: transformers reads tokenizer.json first too.
+TOKENIZER_LAYOUTS = ((TOKENIZER_JSON,), (VOCAB_JSON, MERGES_TXT))
 EOT = "<|endoftext|>"
 # GPT2Config.activation_function -> model.gelu (transformers' ACT2FN names)
 GELU_OF_HF = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "exact"}
@@ -51,12 +56,28 @@ HF_OF_GELU = {"tanh": "gelu_new", "exact": "gelu"}
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
-def require_files(directory: Path, names: tuple[str, ...]) -> None:
+def tokenizer_files(directory: Path) -> tuple[str, ...] | None:
+    """The first of TOKENIZER_LAYOUTS whose files are all in `directory`, or None."""
+    for names in TOKENIZER_LAYOUTS:
+        if all((directory / n).is_file() for n in names):
+            return names
+    return None
+
+
+def require_files(directory: Path, names: tuple[str, ...], tokenizer: bool = False) -> None:
+    """UsageError naming what `directory` lacks of `names` and, with `tokenizer`, of a
+    tokenizer (tokenizer.json, or vocab.json + merges.txt)."""
     missing = [n for n in names if not (directory / n).is_file()]
+    needs = list(names)
+    if tokenizer:
+        needs.append(f"{TOKENIZER_JSON} or {VOCAB_JSON} + {MERGES_TXT}")
+        if tokenizer_files(directory) is None:
+            legacy = [n for n in (VOCAB_JSON, MERGES_TXT) if not (directory / n).is_file()]
+            missing.append(f"{TOKENIZER_JSON} (or {' + '.join(legacy)})")
     if missing:
         raise UsageError(
             f"{directory} is not a Hugging Face GPT-2 checkpoint: {', '.join(missing)} missing "
-            f"(it needs {', '.join(names)})"
+            f"(it needs {', '.join(needs)})"
         )
 
 

@@ -2,7 +2,9 @@
 
 `--init-from DIR` samples GPT-2 itself (`load_hf_gpt2`) or fine-tunes it: `--train` saves its
 tokenizer as the run's (`save_hf_tokenizer`, after checking everything first), takes its shape
-(`hf_model_config`) and starts from its weights (`load_hf_params`). The format's mapping is
+(`hf_model_config`) and starts from its weights (`load_hf_params`). DIR holds config.json,
+model.safetensors and the tokenizer: tokenizer.json (transformers 5), or vocab.json +
+merges.txt (read when tokenizer.json is absent). The format's mapping is
 model/interop/hf_format.py.
 
     >>> tokenizer, model = load_hf_gpt2("models/gpt2")                  # doctest: +SKIP
@@ -21,6 +23,7 @@ from model.interop.hf_format import (
     CONFIG_JSON,
     EOT,
     MERGES_TXT,
+    TOKENIZER_JSON,
     VOCAB_JSON,
     WEIGHTS,
     check_tensor_shapes,
@@ -29,6 +32,7 @@ from model.interop.hf_format import (
     read_hf_config,
     read_safetensors,
     require_files,
+    tokenizer_files,
 )
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
@@ -53,14 +57,14 @@ def resolve_hf_dir(name: str) -> Path:
     if not looks_like_hub_id:
         raise UsageError(
             f"--init-from {name}: no such directory; give a Hugging Face GPT-2 checkpoint "
-            "directory (config.json, model.safetensors, vocab.json, merges.txt; "
-            "configs/finetune_gpt2.toml shows how to fetch GPT-2's)"
+            "directory (config.json, model.safetensors, and tokenizer.json or vocab.json + "
+            "merges.txt; configs/finetune_gpt2.toml shows how to fetch GPT-2's)"
         )
     try:
         from huggingface_hub import snapshot_download
 
         fetched = snapshot_download(
-            name, allow_patterns=[CONFIG_JSON, WEIGHTS, VOCAB_JSON, MERGES_TXT]
+            name, allow_patterns=[CONFIG_JSON, WEIGHTS, TOKENIZER_JSON, VOCAB_JSON, MERGES_TXT]
         )
     except Exception as err:  # offline, unknown repo, no huggingface_hub: all one answer
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -77,10 +81,13 @@ def hf_model_config(name: str, base: ModelConfig | None = None) -> ModelConfig:
 
 
 def load_hf_tokenizer(name: str) -> BPETokenizer:
-    """GPT-2's tokenizer from the directory's vocab.json + merges.txt (<|endoftext|> kept as
-    the special token it is in GPT-2's vocab.json)."""
+    """GPT-2's tokenizer from the directory's tokenizer.json (its added tokens as the special
+    tokens), or else its vocab.json + merges.txt (<|endoftext|> kept as the special token it
+    is in GPT-2's vocab.json); tokenizer.json wins when both are there, as in transformers."""
     directory = resolve_hf_dir(name)
-    require_files(directory, (VOCAB_JSON, MERGES_TXT))
+    require_files(directory, (), tokenizer=True)
+    if tokenizer_files(directory) == (TOKENIZER_JSON,):
+        return BPETokenizer.from_tokenizer_json(directory / TOKENIZER_JSON)
     try:
         vocab = json.loads((directory / VOCAB_JSON).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -99,7 +106,7 @@ def load_hf_params(name: str, params_like: Any) -> Any:
 def load_hf_gpt2(name: str, base: ModelConfig | None = None) -> tuple[BPETokenizer, GPT]:
     """(tokenizer, GPT) of a Hugging Face GPT-2 directory or hub id."""
     directory = resolve_hf_dir(name)
-    require_files(directory, (CONFIG_JSON, WEIGHTS, VOCAB_JSON, MERGES_TXT))
+    require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
     model_cfg = model_config_from_hf(read_hf_config(directory), base)
     tokenizer = load_hf_tokenizer(str(directory))
     _check_vocab(tokenizer, model_cfg, directory)
@@ -124,7 +131,7 @@ def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) ->
     from safetensors import SafetensorError, safe_open
 
     directory = resolve_hf_dir(name)
-    require_files(directory, (CONFIG_JSON, WEIGHTS, VOCAB_JSON, MERGES_TXT))
+    require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
     model_cfg = model_config_from_hf(read_hf_config(directory), base)
     tokenizer = load_hf_tokenizer(str(directory))
     _check_vocab(tokenizer, model_cfg, directory)
