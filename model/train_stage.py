@@ -1,10 +1,11 @@
 """The --train stage: the run's tokenizer and corpus -> token cache -> trained checkpoints.
 
-What it reads and checks, in order: the tokenizer (`--tokenize` made it, or `--init-from`
-brings GPT-2's), the model's shape and whether it fits in memory, what `--resume` continues
-(model/training/resume.py), the corpus encoded once into the token cache
-(model/training/data.py); then the compiled step (model/training/trainer.py) runs in the loop
-(model/training/loop.py), which writes checkpoints, metrics.jsonl and the loss curve.
+What it reads and checks, in order: the package `train.tracker` needs, the tokenizer
+(`--tokenize` made it, or `--init-from` brings GPT-2's), the model's shape and whether it fits
+in memory, what `--resume` continues (model/training/resume.py), the corpus encoded once into
+the token cache (model/training/data.py); then the compiled step (model/training/trainer.py)
+runs in the loop (model/training/loop.py), which writes checkpoints, metrics.jsonl (also sent
+to `train.tracker`, model/training/tracking.py) and the loss curve.
 
     >>> cfg = load_config("configs/shakespeare_char.toml")               # doctest: +SKIP
     >>> run_train(cfg, Path("runs/shakespeare_char"))["val_loss"]
@@ -36,6 +37,7 @@ from model.training.resume import (
     newest_readable_meta,
     resumed_data,
 )
+from model.training.tracking import require_tracker
 from model.training.trainer import Trainer
 from plumbing.atomic import write_atomic
 from plumbing.errors import UsageError
@@ -50,6 +52,8 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     The caller holds the run directory's lock (model.rundir.lock): this is its only writer.
     """
     run_dir = Path(run_dir)
+    # A tracker whose package is missing: one line now, not after the corpus is encoded.
+    require_tracker(cfg.train.tracker)
     tokenizer = _run_tokenizer(cfg, run_dir, resume)
     initialize_from_env()  # several processes: meet the others before JAX starts
     tokenizer_sha = file_sha256(run_dir / TOKENIZER_FILE)

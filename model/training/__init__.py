@@ -6,6 +6,7 @@ trainer.py   model and optimizer state on the mesh, the compiled step, evaluatio
 loop.py      the loop: logging, evaluation, checkpoints, stopping on a signal
 optim.py     AdamW with warmup + cosine decay
 metrics.py   metrics.jsonl, bits per byte, MFU, the loss curve
+tracking.py  train.tracker: the same metrics to TensorBoard or Weights & Biases
 memory.py    will a run fit? checked before anything is allocated
 resume.py    what --resume checks and carries over
 errors.py    TrainingDiverged

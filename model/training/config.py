@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from model.processes.cpu_devices import check_cpu_devices
+from model.training.tracking import TRACKERS
 from plumbing import checks
 from plumbing.errors import UsageError
 
@@ -49,6 +50,9 @@ class TrainConfig:
     fsdp: bool = False  # shard parameters over the data axis too (ZeRO-3 style)
     # On CPU: data-parallel devices, 0 = one per core (model/processes/cpu_devices.py).
     cpu_devices: int = 0
+    # Where metrics go besides metrics.jsonl: "none" | "tensorboard" (RUN/tensorboard/) |
+    # "wandb" (WANDB_MODE=offline honoured); model/training/tracking.py.
+    tracker: str = "none"
 
     @property
     def micro_batch(self) -> int:
@@ -117,6 +121,10 @@ class TrainConfig:
             raise UsageError(
                 f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "
                 f"({self.grad_accum})"
+            )
+        if self.tracker not in TRACKERS:
+            raise UsageError(
+                f"train.tracker must be one of {', '.join(TRACKERS)}; got {self.tracker!r}"
             )
         check_cpu_devices(self.cpu_devices, self.shared_rows)
         if self.qat_bits not in (0, 4, 8):

@@ -28,6 +28,7 @@ from model.rundir.checkpoints import Checkpoints
 from model.training.data import TokenSplits
 from model.training.errors import TrainingDiverged
 from model.training.metrics import MetricsLog, bits_per_byte, peak_flops, plot_losses
+from model.training.tracking import open_tracker
 from model.training.trainer import Trainer
 from plumbing.progress import ProgressBar
 from plumbing.signals import Stopped, StopRequests
@@ -70,7 +71,9 @@ class TrainingLoop:
         self.tokens_per_step = self.cfg.batch_size * trainer.model_cfg.block_size
         self.flops_per_step = flops_per_token(trainer.model_cfg) * self.tokens_per_step
         self.peak = peak_flops(jax.devices()[0].device_kind)
-        self.log = MetricsLog(self.run_dir, start_step if start_step else None)
+        resume_step = start_step or None
+        tracker = open_tracker(self.cfg.tracker, self.run_dir, meta["config"], resume_step)
+        self.log = MetricsLog(self.run_dir, resume_step, tracker)
         self.bar = ProgressBar(self.cfg.max_steps, "train", start=start_step)
         self.t0 = time.perf_counter()
         self.state = LoopState(start_step, start_step or None, (self.t0, start_step))

@@ -1,4 +1,4 @@
-"""What training reports: metrics.jsonl, the loss-curve PNG, MFU."""
+"""What training reports: metrics.jsonl (and the tracker), the loss-curve PNG, MFU."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from model.processes.distributed import is_primary
 from model.rundir.layout import METRICS_FILE, PLOT_FILE
+from model.training.tracking import NoTracker, Tracker
 from plumbing.atomic import write_atomic
 
 # Dense bf16 peak FLOP/s per chip, for model-FLOPs utilisation (vendor data sheets).
@@ -46,11 +47,18 @@ def bits_per_byte(loss_nats: float, bytes_per_token: float) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON object per event to metrics.jsonl (resumed runs drop later steps)."""
+    """Appends one JSON object per event to metrics.jsonl (resumed runs drop later steps), and
+    gives its numbers to `tracker` (model/training/tracking.py) with the step as the x axis.
 
-    def __init__(self, run_dir: Path, resume_step: int | None):
+    A step's train and eval records share a field (elapsed_s): the tracker gets each name once
+    per step, the first value, as a curve has one point per step.
+    """
+
+    def __init__(self, run_dir: Path, resume_step: int | None, tracker: Tracker | None = None):
         self.path = Path(run_dir) / METRICS_FILE
         self._file = None
+        self.tracker = tracker or NoTracker()
+        self._tracked: tuple[int, set[str]] = (-1, set())  # (step, names given at it)
         if not is_primary():  # several processes: process 0 writes the file
             return
         kept = []
@@ -67,14 +75,27 @@ class MetricsLog:
             self._file.flush()
         except OSError as err:  # a full disk: name the file (write(2) errors carry no path)
             raise OSError(err.errno, err.strerror, str(self.path)) from err
+        self._track(record)
+
+    def _track(self, record: dict) -> None:
+        step = record["step"]
+        seen = self._tracked[1] if self._tracked[0] == step else set()
+        numbers = {k: v for k, v in record.items() if k != "step" and _is_number(v)}
+        scalars = {k: float(v) for k, v in numbers.items() if k not in seen}
+        self._tracked = (step, seen | scalars.keys())
+        if scalars:
+            self.tracker.log(step, scalars)
 
     def close(self) -> None:
         if self._file is None:
             return
         try:
-            self._file.close()
-        except OSError as err:  # the last buffered line on a full disk
-            raise OSError(err.errno, err.strerror, str(self.path)) from err
+            self.tracker.close()
+        finally:
+            try:
+                self._file.close()
+            except OSError as err:  # the last buffered line on a full disk
+                raise OSError(err.errno, err.strerror, str(self.path)) from err
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
