@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     stages.add_argument("--tokenize", action="store_true", help="train the tokenizer")
     stages.add_argument("--train", action="store_true", help="train the model")
     stages.add_argument("--inference", action="store_true", help="sample text from a prompt")
+    stages.add_argument(
+        "--serve", action="store_true", help="serve the run over HTTP (OpenAI-compatible API)"
+    )
 
     run = p.add_argument_group("run")
     run.add_argument("--config", help=f"TOML file or name in configs/ (default {DEFAULT_CONFIG})")
@@ -85,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(the default when no prompt is given)",
     )
 
+    serve = p.add_argument_group("serving (shorthands for serve.*)")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1: this machine)")
+    serve.add_argument("--port", type=int, help="port (default 8000; 0: any free port)")
+    serve.add_argument(
+        "--api-key", dest="api_key", help="require Authorization: Bearer KEY (or TINYLLM_API_KEY)"
+    )
+
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return p
 
@@ -108,6 +118,9 @@ SHORTHANDS = {
     "top_p": "sample.top_p",
     "seed": "sample.seed",
     "num_samples": "sample.num_samples",
+    "host": "serve.host",
+    "port": "serve.port",
+    "api_key": "serve.api_key",
 }
 
 
@@ -149,8 +162,8 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     problem = split_list_overrides(args)
     if problem:
         return problem
-    if not (args.tokenize or args.train or args.inference):
-        return "choose at least one stage: --tokenize, --train, --inference"
+    if not (args.tokenize or args.train or args.inference or args.serve):
+        return "choose at least one stage: --tokenize, --train, --inference, --serve"
     for item in args.overrides:
         if "=" not in item:
             return f"unexpected argument {item!r}: overrides are key=value"
@@ -283,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
     from model.processes.distributed import check_single_process_stages, multi_process_requested
 
-    check_single_process_stages(args.tokenize, args.inference)
+    check_single_process_stages(args.tokenize, args.inference or args.serve)
     from model.rundir.layout import check_out_dir, check_run_dir, check_utf8_path
 
     check_utf8_path(run_dir)
@@ -312,7 +325,13 @@ def run(args: argparse.Namespace) -> int:
 
         folder = compilation_cache_folder()
         cache = ProgramCache(folder / "programs") if folder is not None else None
-        return run_inference(cfg, run_dir, interactive=args.interactive, program_cache=cache)
+        code = run_inference(cfg, run_dir, interactive=args.interactive, program_cache=cache)
+        if code or not args.serve:
+            return code
+    if args.serve:
+        from model.serve_stage import run_serve
+
+        return run_serve(cfg, run_dir)
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Each section is a dataclass that lives beside the code it configures, with its own
 `validate()`: `[model]` model/network/config.py, `[tokenizer]` and `[data]`
-tokenizer/config.py, `[train]` model/training/config.py, `[sample]` model/decoding/config.py.
+tokenizer/config.py, `[train]` model/training/config.py, `[sample]` model/decoding/config.py,
+`[serve]` model/serving/config.py.
 A TOML table fills one (plumbing/typed_data.py): an unknown key is an error, and every value
 is checked against the field's type. Overrides use the same dotted names as the TOML
 (`model.n_layer=4 train.max_steps=200`).
@@ -23,6 +24,7 @@ from typing import Any
 
 from model.decoding.config import SampleConfig
 from model.network.config import ModelConfig
+from model.serving.config import ServeConfig
 from model.training.config import TrainConfig
 from plumbing.errors import UsageError
 from plumbing.typed_data import from_plain
@@ -40,6 +42,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -51,6 +54,7 @@ class Config:
             raise UsageError(f"config name {self.name!r} must be a plain, non-empty name")
         self.train.validate()
         self.sample.validate()
+        self.serve.validate()
         self.tokenizer.validate()
         self.data.validate()
         # vocab_size is filled in from the tokenizer: check the rest with a placeholder.

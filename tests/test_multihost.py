@@ -260,7 +260,7 @@ def run_main(capsys, *argv) -> tuple[int, list[str]]:
     return code, capsys.readouterr().err.strip().splitlines()
 
 
-@pytest.mark.parametrize("stage", ["--tokenize", "--inference"])
+@pytest.mark.parametrize("stage", ["--tokenize", "--inference", "--serve"])
 def test_single_process_stages_are_refused_in_a_multi_process_launch(
     tmp_path, monkeypatch, capsys, corpus_file, stage
 ):
@@ -270,7 +270,11 @@ def test_single_process_stages_are_refused_in_a_multi_process_launch(
     out = tmp_path / "run"
     code, err = run_main(capsys, stage, "--train", "--input", corpus_file, "--out", out)
     assert code == 2 and len(err) == 1
-    assert err[0].startswith(f"tinyllm: error: {stage} runs in one process")
+    assert err[0].startswith(
+        "tinyllm: error: "
+        + ("--tokenize" if stage == "--tokenize" else "--inference and --serve")
+        + " run"
+    )
     assert not out.exists()
 
 

@@ -152,7 +152,7 @@ def _stream(
     carry = start_carry(model, prompt, num_samples, use_cache)
     pos = len(prompt) - 1  # host copy of carry["pos"]: it advances deterministically
     if use_cache:
-        carry = _refill_pieces(programs.refill, state, carry, shift=0, keep=pos, window=window)
+        carry = refill_pieces(programs.refill, state, carry, shift=0, keep=pos, window=window)
 
     produced = 0
     while produced < max_new_tokens:
@@ -160,7 +160,7 @@ def _stream(
         if use_cache:
             if pos == size:  # the cache is full: keep the last `window` tokens, pending included
                 keep = window - 1
-                carry = _refill_pieces(
+                carry = refill_pieces(
                     programs.refill, state, carry, shift=size - keep, keep=keep, window=window
                 )
                 pos = keep
@@ -180,9 +180,11 @@ def _stream(
         yield tokens_BxC
 
 
-def _refill_pieces(refill, state, carry, *, shift: int, keep: int, window: int) -> dict:
+def refill_pieces(refill, state, carry, *, shift: int, keep: int, window: int) -> dict:
     """Move ctx[shift:shift + keep] to positions 0..keep-1 and write them into the cache, in
-    pieces of `window` tokens (at most two: keep < block_size); pos becomes keep."""
+    pieces of `window` tokens (at most two: keep < block_size); pos becomes keep. A prompt
+    (shift 0, keep = its length - 1) and a slide (shift = block_size - keep) alike; the
+    server (model.serving) runs it on one request's row."""
     for piece, start in enumerate(range(0, max(keep, 1), window)):
         carry = refill(
             state,

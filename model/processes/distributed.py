@@ -248,8 +248,8 @@ def check_single_process_stages(tokenize: bool, inference: bool) -> None:
         )
     if inference:
         raise UsageError(
-            "--inference runs in one process: launch it on its own after training, without "
-            f"the JAX_*/TINYLLM_DISTRIBUTED variables (or with {SWITCH}=0)"
+            "--inference and --serve run in one process: launch them on their own after "
+            f"training, without the JAX_*/TINYLLM_DISTRIBUTED variables (or with {SWITCH}=0)"
         )
 
 

@@ -1,0 +1,123 @@
+"""The --serve stage: a trained run (float or quantized) served over HTTP until Ctrl-C.
+
+It loads the run, starts the engine (model/serving/engine.py: continuous batching through
+the KV cache; its programs are compiled before the server answers), binds the address, prints
+one ready line on stderr with the URL, and serves the OpenAI-compatible routes
+(model/serving/app.py) with uvicorn. Ctrl-C or SIGTERM stops it: uvicorn lets requests in
+flight finish for up to `GRACE_S` seconds, then the engine answers what is left with an
+error, and the stage ends with one line.
+
+    >>> run_serve(cfg, Path("runs/shakespeare"))                      # doctest: +SKIP
+    serve: ready on http://127.0.0.1:8000 (model shakespeare, 16 rows, queue 64); Ctrl-C stops
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import socket
+import sys
+from pathlib import Path
+
+from configs.schema import Config
+from model.interop.hf_import import started_from
+from model.rundir.trained import open_trained_run
+from model.serving.config import API_KEY_ENV, ServeConfig
+from plumbing.errors import UsageError
+
+GRACE_S = 3  # how long requests in flight may finish after Ctrl-C or SIGTERM
+
+
+def run_serve(cfg: Config, run_dir: Path) -> int:
+    """Serve `run_dir` (or, with --init-from, GPT-2 itself) until a signal stops it."""
+    serve = dataclasses.replace(
+        cfg.serve, api_key=cfg.serve.api_key or os.environ.get(API_KEY_ENV, "")
+    )
+    try:
+        import uvicorn
+
+        from model.serving.app import build_app
+    except ImportError as err:
+        raise UsageError(
+            f"--serve needs the serve extra ({err.name} is missing): pip install -e '.[serve]'"
+        ) from None
+    from model.serving.engine import Engine
+
+    if cfg.init_from and not started_from(run_dir, cfg.init_from):
+        from model.interop.hf_import import load_hf_gpt2
+
+        tokenizer, model = load_hf_gpt2(cfg.init_from, cfg.model)
+        name = Path(cfg.init_from).name or cfg.init_from
+    else:
+        tokenizer, model, _ = open_trained_run(run_dir).load()
+        name = Path(run_dir).resolve().name
+    listener = bind(serve)
+    engine = Engine(
+        model,
+        tokenizer,
+        rows=serve.batch_size,
+        queue_size=serve.queue_size,
+        chunk_steps=serve.chunk_steps,
+    )
+    engine.start()
+    app = build_app(engine, tokenizer, name, serve)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=GRACE_S,
+    )
+    host, port = listener.getsockname()[:2]
+    url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    if not serve.api_key and not is_loopback(serve.host):
+        sys.stderr.write(
+            f"serve: warning: {serve.host} is reachable from other machines and no API key is "
+            f"set: anyone there can use this server (set --api-key or {API_KEY_ENV})\n"
+        )
+    sys.stderr.write(
+        f"serve: ready on {url} (model {name}, {serve.batch_size} rows, queue "
+        f"{serve.queue_size}); Ctrl-C stops\n"
+    )
+    sys.stderr.flush()
+    try:
+        uvicorn.Server(config).run(sockets=[listener])
+    finally:
+        engine.stop()
+        listener.close()
+    return 0
+
+
+def bind(serve: ServeConfig) -> socket.socket:
+    """A listening socket on serve.host:serve.port, bound before the engine compiles (a taken
+    port is refused at once); UsageError when the address is taken or cannot be used."""
+    try:
+        infos = socket.getaddrinfo(serve.host, serve.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise UsageError(
+            f"--host {serve.host}: not an address of this machine ({err.strerror})"
+        ) from None
+    family, _, _, _, address = infos[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(address)
+        listener.listen(2048)
+    except OSError as err:
+        listener.close()
+        raise UsageError(
+            f"cannot listen on {serve.host}:{serve.port} ({err.strerror}): pick another --port "
+            "or stop what uses it"
+        ) from None
+    return listener
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only serves this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,149 @@
+"""The compiled programs of a serving batch: B rows, each its own request, decoded together.
+
+A row is one request's decoding state in the batch: its KV cache rows, its context, its
+position, its pending token and its step count. Rows move at their own positions (per-row
+lengths), so requests of any prompt length share one decode step. A request's prompt goes
+into the cache through the same single-row `refill` program `--inference` uses
+(model.decoding.steps), and the row is then put into a free slot of the batch (`put_row`);
+a row whose context is full is taken out (`take_row`), slid by that same program and put
+back. So a request sees exactly the context policy of `--inference`.
+
+The decode step (`batch_chunk`) runs the model's single-row cached decode under `jax.vmap`:
+every row writes its k/v at its own position and attends over its own cache slots, and
+samples with its own settings and key (`fold_in(key(seed), step)`, as `--inference` does).
+Free slots are carried along, masked by `active`: their writes go to rows nobody reads.
+
+    >>> batch = empty_batch(model, rows=4)                           # doctest: +SKIP
+    >>> batch = put_row(batch, row_carry, np.int32(2))
+    >>> batch, tokens_BxC = batch_chunk(graphdef, state, batch, settings, active, np.int32(4),
+    ...                                 chunk_size=8)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.decoding.sampling import sample_logits
+from model.decoding.steps import PAD_ID
+from model.network.gpt import GPT
+
+ROW_FIELDS = ("cache", "ctx", "pending", "done")  # [1, ...] in a row carry, [B, ...] here
+
+
+def empty_batch(model: GPT, rows: int) -> dict:
+    """A batch of `rows` free slots, committed to the device (see model.decoding.steps)."""
+    cfg = model.cfg
+    shape = (rows, cfg.block_size, cfg.n_head, cfg.head_dim)
+    batch = {
+        "cache": [
+            {"k": np.zeros(shape, cfg.compute_dtype), "v": np.zeros(shape, cfg.compute_dtype)}
+            for _ in range(cfg.n_layer)
+        ],
+        "ctx": np.zeros((rows, cfg.block_size), np.int32),
+        "pos": np.zeros((rows,), np.int32),
+        "pending": np.zeros((rows,), np.int32),
+        "done": np.zeros((rows,), bool),
+        "step": np.zeros((rows,), np.int32),
+    }
+    return jax.device_put(batch, jax.devices()[0])
+
+
+def batch_settings(rows: int) -> dict[str, np.ndarray]:
+    """Per-row sampling settings (host arrays, filled in as requests take slots)."""
+    return {
+        "seed": np.zeros((rows,), np.int32),
+        "temperature": np.zeros((rows,), np.float32),
+        "top_k": np.zeros((rows,), np.int32),
+        "top_p": np.ones((rows,), np.float32),
+        "stop": np.full((rows,), -1, np.int32),
+    }
+
+
+@partial(jax.jit, donate_argnums=0)
+def put_row(batch: dict, row: dict, slot) -> dict:
+    """`batch` with slot `slot` holding a single-row carry (refilled by the decode programs)."""
+    out = dict(batch)
+    for name in ROW_FIELDS:
+        out[name] = jax.tree_util.tree_map(
+            lambda b, r: jax.lax.dynamic_update_index_in_dim(b, r[0], slot, axis=0),
+            batch[name],
+            row[name],
+        )
+    out["pos"] = batch["pos"].at[slot].set(row["pos"])
+    out["step"] = batch["step"].at[slot].set(row["step"])
+    return out
+
+
+@jax.jit
+def take_row(batch: dict, slot) -> dict:
+    """The single-row carry of slot `slot` (to slide its context with `refill`)."""
+    row = {
+        name: jax.tree_util.tree_map(
+            lambda b: jax.lax.dynamic_index_in_dim(b, slot, axis=0, keepdims=True), batch[name]
+        )
+        for name in ROW_FIELDS
+    }
+    row["pos"] = batch["pos"][slot]
+    row["step"] = batch["step"][slot]
+    return row
+
+
+@partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",), donate_argnums=2)
+def batch_chunk(
+    graphdef, state, batch: dict, settings: dict, active_B, n_steps, *, chunk_size: int
+) -> tuple[dict, jax.Array]:
+    """n_steps (traced, <= chunk_size) decode steps of every active row; the host keeps each
+    active row's pos + n_steps <= block_size. Returns (batch, tokens [B, chunk_size]): PAD_ID
+    for free slots, for rows past their stop token and past n_steps."""
+    model = nnx.merge(graphdef, state)
+
+    def decode_row(token, cache_row, pos):
+        cache = jax.tree_util.tree_map(lambda x: x[None], cache_row)
+        logits_1x1xV, cache = model.decode(token[None, None], cache, pos)
+        return logits_1x1xV[0, 0], jax.tree_util.tree_map(lambda x: x[0], cache)
+
+    def sample_row(logits_V, seed, step, temperature, top_k, top_p):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return sample_logits(logits_V[None], key, temperature, top_k, top_p)[0]
+
+    def write_ctx(ctx_S, token, pos):
+        return jax.lax.dynamic_update_index_in_dim(ctx_S, token, pos, axis=0)
+
+    def step(c):
+        logits_BxV, cache = jax.vmap(decode_row)(c["pending"], c["cache"], c["pos"])
+        ctx = jax.vmap(write_ctx)(c["ctx"], c["pending"], c["pos"])
+        token_B = jax.vmap(sample_row)(
+            logits_BxV,
+            settings["seed"],
+            c["step"],
+            settings["temperature"],
+            settings["top_k"],
+            settings["top_p"],
+        )
+        live_B = active_B & ~c["done"]
+        emitted_B = jnp.where(live_B, token_B, PAD_ID)
+        advance_B = active_B.astype(jnp.int32)
+        c = {
+            "cache": cache,
+            "ctx": ctx,
+            "pos": c["pos"] + advance_B,
+            "pending": jnp.where(active_B, token_B, c["pending"]),
+            "done": c["done"] | (live_B & (token_B == settings["stop"])),
+            "step": c["step"] + advance_B,
+        }
+        return c, emitted_B
+
+    rows = batch["pending"].shape[0]
+
+    def body(i, loop_state):
+        c, out_BxC = loop_state
+        c, token_B = step(c)
+        return c, jax.lax.dynamic_update_slice(out_BxC, token_B[:, None], (0, i))
+
+    out_BxC = jnp.full((rows, chunk_size), PAD_ID, jnp.int32)
+    return jax.lax.fori_loop(0, n_steps, body, (batch, out_BxC))
