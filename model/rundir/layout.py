@@ -7,6 +7,7 @@
       damaged-checkpoints/   steps that failed their checksums, moved aside
       config.json            the resolved config of the run
       metrics.jsonl, loss.png   what training logged (model/training/metrics.py)
+      tensorboard/, wandb/   train.tracker's event files and W&B run (model/training/tracking.py)
       quantized.npz          instead of checkpoints/, in a quantized run (model/quantization/)
 
 Plain pathlib, no JAX or orbax, so `--tokenize` and config mistakes answer without loading
