@@ -4,8 +4,8 @@ It loads the run, starts the engine (model/serving/engine.py: continuous batchin
 the KV cache; its programs are compiled before the server answers), binds the address, prints
 one ready line on stderr with the URL, and serves the OpenAI-compatible routes
 (model/serving/app.py) with uvicorn. Ctrl-C or SIGTERM stops it: uvicorn lets requests in
-flight finish for up to `GRACE_S` seconds, then the engine answers what is left with an
-error, and the stage ends with one line.
+flight finish for up to `GRACE_S` - 1 seconds (new ones get 503), then the engine answers
+what is left with an error event, and the stage ends with one line.
 
     >>> run_serve(cfg, Path("runs/shakespeare"))                      # doctest: +SKIP
     serve: ready on http://127.0.0.1:8000 (model shakespeare, 16 rows, queue 64); Ctrl-C stops
@@ -18,6 +18,7 @@ import ipaddress
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from configs.schema import Config
@@ -82,11 +83,33 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
     )
     sys.stderr.flush()
     try:
-        uvicorn.Server(config).run(sockets=[listener])
+        stopping_server_class()(config, engine).run(sockets=[listener])
     finally:
         engine.stop()
         listener.close()
     return 0
+
+
+def stopping_server_class():
+    """uvicorn.Server that, on Ctrl-C or SIGTERM, also drains the engine: new requests get
+    503 at once, requests in flight may finish for GRACE_S - 1 s, then get an error event
+    (so their streams end cleanly before uvicorn's own grace period cuts connections)."""
+    import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        def __init__(self, config, engine) -> None:
+            super().__init__(config)
+            self.engine = engine
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                self.engine.drain()
+                timer = threading.Timer(GRACE_S - 1, self.engine.stop)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    return StoppingServer
 
 
 def bind(serve: ServeConfig) -> socket.socket:

@@ -3,6 +3,7 @@ their command line in one line (`NAME: error: ... (see --help)`, exit 2), as tin
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ SCRIPTS = [
     "bench_generate",
     "bench_moe",
     "bench_quant",
+    "bench_serve",
     "bench_tokenizer",
     "bench_time_to_loss",
     "bench_train",
@@ -72,3 +74,31 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
     (row,) = [line for line in proc.stdout.splitlines() if line.startswith("| words.txt")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1].startswith("9.5000 in ") and cells[3].endswith("x") and cells[4] == "yes"
+
+
+def test_serve_bench_starts_a_server_measures_and_stops_it(tmp_path):
+    """End to end on a tiny char run (no end-of-text token: every request makes all its
+    tokens): the table, no failed request, and tokens counted exactly."""
+    from model.train_stage import run_train
+    from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
+    from tokenizer.stage import run_tokenize
+
+    cfg = tiny_run_config(write_word_corpus(tmp_path / "words.txt", 200), TINY_TRAIN)
+    cfg.train.max_steps = 4
+    run_tokenize(cfg, tmp_path / "run")
+    run_train(cfg, tmp_path / "run")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--run", str(tmp_path / "run"),
+         "--clients", "1", "2", "--max-tokens", "4", "--repeats", "1", "--sequential", "2",
+         "--prompt", "to be or", "--json", str(tmp_path / "serve.json")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| clients | requests | tokens/s |")
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows[1:]]
+    assert [(c[0], c[1], c[-1]) for c in cells] == [("1", "1", "0"), ("2", "2", "0")]
+    assert "2 concurrent / sequential: " in proc.stdout
+    result = json.loads((tmp_path / "serve.json").read_text())["result"]
+    for summary in [*result["clients"], result["sequential"]]:
+        assert summary["tokens"] == 4 * summary["requests"] and summary["failed"] == 0

@@ -94,6 +94,7 @@ class Engine:
         self.tokens_served = 0
         self._wake = threading.Condition()
         self._stopping: str | None = None
+        self._draining: str | None = None
         self._thread = threading.Thread(target=self._run, name="tinyllm-engine", daemon=True)
         self._failure: BaseException | None = None
 
@@ -111,12 +112,17 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request; QueueFull when the queue holds `queue_size` requests already."""
         with self._wake:
-            if self._stopping is not None:
-                raise QueueFull(self._stopping)
+            if self._stopping is not None or self._draining is not None:
+                raise QueueFull(self._stopping or self._draining)
             if len(self.waiting) >= self.queue_size:
                 raise QueueFull(f"the queue is full ({self.queue_size} requests waiting)")
             self.waiting.append(request)
             self._wake.notify()
+
+    def drain(self, reason: str = "the server is shutting down") -> None:
+        """Refuse new requests (QueueFull with `reason`); the ones taken go on."""
+        with self._wake:
+            self._draining = reason
 
     def stop(self, reason: str = "the server is shutting down", timeout_s: float = 5.0) -> None:
         """Stop decoding; every request not yet done gets ("error", reason)."""

@@ -1,0 +1,267 @@
+"""--serve: the OpenAI-compatible server, through the official `openai` client and raw HTTP.
+
+A tiny BPE run is served by a real `tinyllm.py --serve` process. Checked: the routes, greedy
+text equal to `--inference --temperature 0` for requests sharing the batch (past the context,
+so rows slide), streaming as OpenAI's server-sent events, chat, every kind of bad input as a
+4xx JSON error with the server still serving, the API key, a full queue (429 at once), a
+client that leaves mid-stream (its row is freed), a flood of 200 requests, a quantized run,
+and SIGTERM (ends in seconds, one line, no traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import tinyllm  # noqa: E402
+from configs.schema import load_config  # noqa: E402
+from model.train_stage import run_train  # noqa: E402
+from tests.serve_helpers import ServerProcess  # noqa: E402
+from tests.tiny_runs import ROOT, TINY_TRAIN, write_word_corpus  # noqa: E402
+from tokenizer.stage import run_tokenize  # noqa: E402
+
+PROMPTS = ["to be", "the question", "whether tis not", "or"]
+ENDLESS = 200_000  # new tokens: a request that runs until it is cut short
+LONG = 40  # new tokens: past the 32-token context, so every row slides at least once
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("serve")
+    corpus = write_word_corpus(base / "corpus.txt", 200)
+    cfg = load_config(
+        ROOT / "configs" / "shakespeare.toml",
+        [
+            f"data.input={json.dumps([str(corpus)])}",
+            "tokenizer.vocab_size=270",
+            *TINY_TRAIN,
+            "model.block_size=32",
+        ],
+    )
+    cfg.train.max_steps = 12
+    run_tokenize(cfg, base / "run")
+    run_train(cfg, base / "run")
+    return base / "run"
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
+    with ServerProcess(run_dir, "serve.batch_size=4", "serve.queue_size=16") as server:
+        yield server
+
+
+def client(server, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=kwargs.pop("key", "none"), **kwargs)
+
+
+def inference_text(run_dir: Path, prompt: str, n: int, capsys) -> str:
+    """What `--inference --temperature 0` prints after the prompt."""
+    argv = ["--inference", "--out", str(run_dir), "--prompt", prompt, "--temperature", "0"]
+    assert tinyllm.main([*argv, "--max-new-tokens", str(n)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompt) and out.endswith("\n")
+    return out[len(prompt) : -1]
+
+
+def post(server, path: str, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, bytes | str) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, timeout=60, **kwargs)
+
+
+def test_models_health_and_a_completion(server):
+    api = client(server)
+    (model,) = api.models.list().data
+    health = httpx.get(server.url + "/health").json()
+    assert health["model"] == model.id and health["queue_length"] == 0
+    done = api.completions.create(model=model.id, prompt="to be", max_tokens=5, temperature=0)
+    assert done.choices[0].finish_reason in ("length", "stop")
+    assert done.usage.completion_tokens <= 5 and done.usage.prompt_tokens >= 1
+    assert httpx.get(server.url + "/health").json()["tokens_served"] >= 5 - 1
+
+
+def test_greedy_text_equals_inference_whatever_shares_the_batch(server, run_dir, capsys):
+    expected = [inference_text(run_dir, p, LONG, capsys) for p in PROMPTS]
+
+    async def all_at_once():
+        api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+        calls = [
+            api.completions.create(model="m", prompt=p, max_tokens=LONG, temperature=0)
+            for p in PROMPTS
+        ]
+        return await asyncio.gather(*calls)
+
+    answers = asyncio.run(all_at_once())
+    assert [a.choices[0].text for a in answers] == expected
+    # The same requests streamed: the chunks add up to the same text, then [DONE].
+    api = client(server)
+    for prompt, text in zip(PROMPTS[:2], expected[:2], strict=True):
+        stream = api.completions.create(
+            model="m", prompt=prompt, max_tokens=LONG, temperature=0, stream=True
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks) == text
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={"prompt": "to", "max_tokens": 3, "stream": True},
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_chat_completions_with_the_plain_template(server):
+    api = client(server)
+    answer = api.chat.completions.create(
+        model="m",
+        messages=[{"role": "system", "content": "be"}, {"role": "user", "content": "to"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    message = answer.choices[0].message
+    assert message.role == "assistant" and isinstance(message.content, str)
+    assert "\nUser:" not in message.content
+    chunks = list(
+        api.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "or"}], max_tokens=4, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+BAD = {
+    "malformed JSON": b'{"prompt": "to be",',
+    "not an object": [1, 2],
+    "no prompt": {"max_tokens": 4},
+    "prompt not a string": {"prompt": 42},
+    "max_tokens a string": {"prompt": "to", "max_tokens": "5"},
+    "max_tokens 10**9": {"prompt": "to", "max_tokens": 10**9},
+    "max_tokens 0": {"prompt": "to", "max_tokens": 0},
+    "temperature below 0": {"prompt": "to", "temperature": -0.5},
+    "temperature a string": {"prompt": "to", "temperature": "hot"},
+    "top_p 0": {"prompt": "to", "top_p": 0},
+    "top_k negative": {"prompt": "to", "top_k": -1},
+    "seed a float": {"prompt": "to", "seed": 1.5},
+    "stream a string": {"prompt": "to", "stream": "yes"},
+    "stop a number": {"prompt": "to", "stop": 5},
+    "n 2": {"prompt": "to", "n": 2},
+    "1 MB prompt": {"prompt": "to be " * 200_000},
+    "prompt over the context": {"prompt": "to be or not " * 20},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_a_4xx_json_error_and_the_server_goes_on(server, case):
+    started = time.monotonic()
+    response = post(server, "/v1/completions", BAD[case])
+    assert 400 <= response.status_code < 500, response.text
+    message = response.json()["error"]["message"]
+    assert isinstance(message, str) and message and "Traceback" not in message
+    assert time.monotonic() - started < 10
+    assert post(server, "/v1/completions", {"prompt": "to", "max_tokens": 2}).status_code == 200
+
+
+def test_unknown_routes_and_methods_are_json_errors(server):
+    assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"]
+    response = httpx.get(server.url + "/v1/completions")
+    assert response.status_code == 405 and response.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(run_dir):
+    with ServerProcess(run_dir, "serve.batch_size=1", f"serve.max_tokens={ENDLESS}") as server:
+        body = {"prompt": "to", "max_tokens": ENDLESS, "stream": True, "temperature": 0}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
+            lines = response.iter_lines()  # kept: a dropped iterator closes the response
+            next(line for line in lines if line.startswith("data: {"))
+            assert httpx.get(server.url + "/health").json()["active"] == 1
+        deadline = time.monotonic() + 5
+        while httpx.get(server.url + "/health").json()["active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = httpx.get(server.url + "/health").json()
+        assert health["active"] == 0 and health["tokens_served"] < ENDLESS
+        # The one row serves the next request (it would wait for the endless one otherwise).
+        answer = post(server, "/v1/completions", {"prompt": "to", "max_tokens": 3})
+        assert answer.status_code == 200 and time.monotonic() < deadline + 10
+
+
+async def _flood(url: str, n: int, body: dict) -> list[int]:
+    limits = httpx.Limits(max_connections=n)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+        answers = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(n)))
+    return [a.status_code for a in answers]
+
+
+def test_a_full_queue_answers_429_at_once_and_a_flood_gets_only_2xx_429_503(run_dir):
+    args = ("serve.batch_size=1", "serve.queue_size=2")
+    with ServerProcess(run_dir, *args) as server:
+        started = time.monotonic()
+        codes = asyncio.run(_flood(server.url, 200, {"prompt": "to", "max_tokens": 32}))
+        assert time.monotonic() - started < 120
+        assert set(codes) <= {200, 429, 503} and 429 in codes and 200 in codes
+        refused = post(server, "/health", b"")  # the server still answers
+        assert refused.status_code == 405
+        assert post(server, "/v1/completions", {"prompt": "to", "max_tokens": 2}).status_code == 200
+
+
+def test_api_key_from_the_environment(run_dir):
+    env = {"TINYLLM_API_KEY": "s3cret"}
+    with ServerProcess(run_dir, env=env) as server:
+        body = {"prompt": "to", "max_tokens": 2}
+        assert post(server, "/v1/completions", body).status_code == 401
+        wrong = post(server, "/v1/completions", body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["message"]
+        with pytest.raises(openai.AuthenticationError):
+            client(server, key="nope").models.list()
+        assert client(server, key="s3cret").models.list().data
+        assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_public_address_without_a_key_is_warned_about(run_dir):
+    with ServerProcess(run_dir, "--host", "0.0.0.0") as server:
+        assert any("no API key is set" in line for line in server.lines)
+        assert server.url.startswith("http://0.0.0.0:")
+
+
+def test_a_quantized_run_is_served(run_dir, tmp_path):
+    import shutil
+
+    quantized = tmp_path / "q8"
+    shutil.copytree(run_dir, quantized)
+    script = [sys.executable, str(ROOT / "scripts" / "quantize.py"), "--run", str(quantized)]
+    subprocess.run([*script, "--bits", "8"], check=True, capture_output=True, timeout=300)
+    with ServerProcess(quantized) as server:
+        answer = client(server).completions.create(model="m", prompt="to", max_tokens=4)
+        assert answer.usage.completion_tokens >= 1
+
+
+def test_sigterm_ends_the_server_within_10_s_with_one_line(run_dir):
+    with ServerProcess(run_dir, f"serve.max_tokens={ENDLESS}") as server:
+        body = {"prompt": "to", "max_tokens": ENDLESS, "stream": True, "temperature": 0}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as live:
+            lines = live.iter_lines()  # kept: a dropped iterator closes the response
+            next(line for line in lines if line.startswith("data: {"))
+            started = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            tail = list(lines)  # ends: finished, cut, or an error event
+        code = server.stop(timeout_s=15)
+        assert time.monotonic() - started < 10
+    assert code == 143, server.lines
+    assert not any("Traceback" in line for line in server.lines), server.lines
+    assert server.lines[-1] == "tinyllm: interrupted by SIGTERM", server.lines
+    # The endless stream was ended by an error event, in time, on a clean connection.
+    events = [line for line in tail if line]
+    assert all(line.startswith("data: ") for line in events)
+    assert "shutting down" in json.loads(events[-1][6:])["error"]["message"]
