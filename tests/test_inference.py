@@ -6,7 +6,6 @@ bytes in argv."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import pty
 import re
@@ -24,11 +23,9 @@ from configs.schema import load_config
 from model.decoding.budget import check_memory, decode_bytes_per_sample
 from model.decoding.clock import DecodeClock, timing_line
 from model.network.config import ModelConfig
-from model.train_stage import run_train
 from plumbing.errors import UsageError
 from tests.tiny_models import tiny_model
-from tests.tiny_runs import ROOT, TINY_TRAIN, write_word_corpus
-from tokenizer.stage import run_tokenize
+from tests.tiny_runs import ROOT, train_tiny_run
 
 BENCH = ROOT / "scripts" / "bench_generate.py"
 TIMING = re.compile(
@@ -42,16 +39,8 @@ TIMING = re.compile(
 def bpe_run(tmp_path_factory) -> Path:
     """A tiny BPE run (the demo's config, shrunk), trained in-process for 4 steps."""
     base = tmp_path_factory.mktemp("bpe")
-    corpus = write_word_corpus(base / "corpus.txt", 200)
-    cfg = load_config(
-        ROOT / "configs" / "shakespeare.toml",
-        [f"data.input={json.dumps([str(corpus)])}", "tokenizer.vocab_size=270", *TINY_TRAIN],
-    )
-    cfg.train.max_steps = 4
-    run_dir = base / "run"
-    run_tokenize(cfg, run_dir)
-    run_train(cfg, run_dir)
-    return run_dir
+    extra = ("tokenizer.vocab_size=270", "train.max_steps=4")
+    return train_tiny_run(base, *extra, config="shakespeare")
 
 
 @pytest.fixture(scope="module")

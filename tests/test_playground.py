@@ -28,10 +28,8 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 sync_api = pytest.importorskip("playwright.sync_api")
 
-from model.train_stage import run_train  # noqa: E402
 from tests.serve_helpers import ServerProcess  # noqa: E402
-from tests.tiny_runs import ROOT, TINY_TRAIN, tiny_run_config, write_word_corpus  # noqa: E402
-from tokenizer.stage import run_tokenize  # noqa: E402
+from tests.tiny_runs import ROOT, train_tiny_run  # noqa: E402
 
 expect = sync_api.expect
 CHROMIUM = ["/usr/bin/chromium", "chromium", "chromium-browser"]
@@ -71,11 +69,7 @@ def run_dir(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("playground")
     if GIVEN_RUN:
         return Path(shutil.copytree(GIVEN_RUN, base / Path(GIVEN_RUN).resolve().name))
-    corpus = write_word_corpus(base / "corpus.txt", 200)
-    cfg = tiny_run_config(corpus, TINY_TRAIN, "train.max_steps=60", "train.eval_interval=30")
-    run_tokenize(cfg, base / "run")
-    run_train(cfg, base / "run")
-    return base / "run"
+    return train_tiny_run(base, "train.max_steps=60", "train.eval_interval=30")
 
 
 @pytest.fixture

@@ -23,10 +23,8 @@ from model.decoding.generate import generate_all
 from model.decoding.program_cache import ProgramCache
 from model.decoding.programs import compile_programs
 from model.rundir.trained import load_float_model
-from model.train_stage import run_train
 from tests.tiny_models import tiny_model
-from tests.tiny_runs import ROOT, TINY_TRAIN, tiny_run_config, write_word_corpus
-from tokenizer.stage import run_tokenize
+from tests.tiny_runs import ROOT, train_tiny_run
 
 PROMPT = [5, 17, 42, 8, 33]
 BLOCK = 16
@@ -289,12 +287,7 @@ def test_programs_kept_by_a_process_with_several_devices_serve_one_with_one(tmp_
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("run")
-    cfg = tiny_run_config(write_word_corpus(base / "corpus.txt", 100), TINY_TRAIN)
-    cfg.train.max_steps = 2
-    run_tokenize(cfg, base / "run")
-    run_train(cfg, base / "run")
-    return base / "run"
+    return train_tiny_run(tmp_path_factory.mktemp("run"), "train.max_steps=2", lines=100)
 
 
 def test_the_abstract_model_from_the_cache_restores_the_same_weights(trained_run, tmp_path):

@@ -79,16 +79,11 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
 def test_serve_bench_starts_a_server_measures_and_stops_it(tmp_path):
     """End to end on a tiny char run (no end-of-text token: every request makes all its
     tokens): the table, no failed request, and tokens counted exactly."""
-    from model.train_stage import run_train
-    from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
-    from tokenizer.stage import run_tokenize
+    from tests.tiny_runs import train_tiny_run
 
-    cfg = tiny_run_config(write_word_corpus(tmp_path / "words.txt", 200), TINY_TRAIN)
-    cfg.train.max_steps = 4
-    run_tokenize(cfg, tmp_path / "run")
-    run_train(cfg, tmp_path / "run")
+    run_dir = train_tiny_run(tmp_path, "train.max_steps=4")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--run", str(tmp_path / "run"),
+        [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--run", str(run_dir),
          "--clients", "1", "2", "--max-tokens", "4", "--repeats", "1", "--sequential", "2",
          "--prompt", "to be or", "--json", str(tmp_path / "serve.json")],
         capture_output=True, text=True, timeout=300,

@@ -26,11 +26,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import tinyllm  # noqa: E402
-from configs.schema import load_config  # noqa: E402
-from model.train_stage import run_train  # noqa: E402
 from tests.serve_helpers import ServerProcess  # noqa: E402
-from tests.tiny_runs import ROOT, TINY_TRAIN, write_word_corpus  # noqa: E402
-from tokenizer.stage import run_tokenize  # noqa: E402
+from tests.tiny_runs import ROOT, train_tiny_run  # noqa: E402
 
 PROMPTS = ["to be", "the question", "whether tis not", "or"]
 ENDLESS = 200_000  # new tokens: a request that runs until it is cut short
@@ -39,21 +36,10 @@ LONG = 40  # new tokens: past the 32-token context, so every row slides at least
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
+    """A tiny BPE run (the demo's config, shrunk), with an end-of-text token."""
     base = tmp_path_factory.mktemp("serve")
-    corpus = write_word_corpus(base / "corpus.txt", 200)
-    cfg = load_config(
-        ROOT / "configs" / "shakespeare.toml",
-        [
-            f"data.input={json.dumps([str(corpus)])}",
-            "tokenizer.vocab_size=270",
-            *TINY_TRAIN,
-            "model.block_size=32",
-        ],
-    )
-    cfg.train.max_steps = 12
-    run_tokenize(cfg, base / "run")
-    run_train(cfg, base / "run")
-    return base / "run"
+    extra = ("tokenizer.vocab_size=270", "model.block_size=32", "train.max_steps=12")
+    return train_tiny_run(base, *extra, config="shakespeare")
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +52,10 @@ def client(server, **kwargs) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=kwargs.pop("key", "none"), **kwargs)
 
 
-def inference_text(run_dir: Path, prompt: str, n: int, capsys) -> str:
-    """What `--inference --temperature 0` prints after the prompt."""
+def inference_text(run_dir: Path, prompt: str, n: int, capsys, *sampling: str) -> str:
+    """What `--inference` prints after the prompt (greedy unless `sampling` flags say)."""
     argv = ["--inference", "--out", str(run_dir), "--prompt", prompt, "--temperature", "0"]
-    assert tinyllm.main([*argv, "--max-new-tokens", str(n)]) == 0
+    assert tinyllm.main([*argv, "--max-new-tokens", str(n), *sampling]) == 0
     out = capsys.readouterr().out
     assert out.startswith(prompt) and out.endswith("\n")
     return out[len(prompt) : -1]
@@ -121,6 +107,31 @@ def test_greedy_text_equals_inference_whatever_shares_the_batch(server, run_dir,
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_seeded_sampling_equals_inference_with_the_same_seed(server, run_dir, capsys):
+    settings = [(7, 0.9, 0, 1.0), (8, 1.2, 5, 1.0), (9, 0.7, 0, 0.8)]  # seed, T, top-k, top-p
+    expected = [
+        inference_text(
+            run_dir, "to be", 24, capsys,
+            "--seed", str(seed), "--temperature", str(t), "--top-k", str(k), "--top-p", str(p),
+        )
+        for seed, t, k, p in settings
+    ]  # fmt: skip
+
+    async def all_at_once():
+        api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+        calls = [
+            api.completions.create(
+                model="m", prompt="to be", max_tokens=24, seed=seed, temperature=t, top_p=p,
+                extra_body={"top_k": k},
+            )
+            for seed, t, k, p in settings
+        ]  # fmt: skip
+        return await asyncio.gather(*calls)
+
+    answers = asyncio.run(all_at_once())
+    assert [a.choices[0].text for a in answers] == expected
 
 
 def test_chat_completions_with_the_plain_template(server):
@@ -195,6 +206,18 @@ def test_a_client_that_leaves_mid_stream_frees_its_row(run_dir):
         # The one row serves the next request (it would wait for the endless one otherwise).
         answer = post(server, "/v1/completions", {"prompt": "to", "max_tokens": 3})
         assert answer.status_code == 200 and time.monotonic() < deadline + 10
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_row(run_dir):
+    with ServerProcess(run_dir, "serve.batch_size=1", f"serve.max_tokens={ENDLESS}") as server:
+        body = {"prompt": "to", "max_tokens": ENDLESS, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+        deadline = time.monotonic() + 5
+        while httpx.get(server.url + "/health").json()["active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = httpx.get(server.url + "/health").json()
+        assert health["active"] == 0 and health["tokens_served"] < ENDLESS
 
 
 async def _flood(url: str, n: int, body: dict) -> list[int]:

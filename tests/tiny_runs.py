@@ -52,3 +52,19 @@ def tiny_run_config(corpus_file: Path, overrides: list[str], *extra: str) -> Con
     """The char config on `corpus_file` with `overrides`, then `extra`."""
     data = f"data.input={json.dumps([str(corpus_file)])}"
     return load_config(ROOT / "configs" / "shakespeare_char.toml", [data, *overrides, *extra])
+
+
+def train_tiny_run(
+    base: Path, *extra: str, config: str = "shakespeare_char", lines: int = 200
+) -> Path:
+    """A tiny run trained in-process in base/run: `config` (configs/NAME.toml) on a word corpus
+    of `lines` lines, with TINY_TRAIN and then `extra` overrides (e.g. train.max_steps=4)."""
+    from model.train_stage import run_train
+    from tokenizer.stage import run_tokenize
+
+    corpus = write_word_corpus(base / "corpus.txt", lines)
+    data = f"data.input={json.dumps([str(corpus)])}"
+    cfg = load_config(ROOT / "configs" / f"{config}.toml", [data, *TINY_TRAIN, *extra])
+    run_tokenize(cfg, base / "run")
+    run_train(cfg, base / "run")
+    return base / "run"

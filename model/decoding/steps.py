@@ -103,8 +103,9 @@ def _sample_step(logits_BxV: jax.Array, carry: dict, settings: dict) -> tuple[di
     return carry, emitted_B
 
 
-def _run_steps(step, carry: dict, n_steps, chunk_size: int) -> tuple[dict, jax.Array]:
-    """n_steps (traced, <= chunk_size) calls of `step`; tokens [B, chunk_size], PAD past n."""
+def run_steps(step, carry: dict, n_steps, chunk_size: int) -> tuple[dict, jax.Array]:
+    """n_steps (traced, <= chunk_size) calls of `step`; tokens [B, chunk_size], PAD past n.
+    The serving batch (model/serving/batch.py) runs its steps through it too."""
     batch = carry["pending"].shape[0]
 
     def body(i, state):
@@ -127,7 +128,7 @@ def cached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, chunk
         c = {**c, "cache": cache, "ctx": ctx, "pos": c["pos"] + 1}
         return _sample_step(logits_Bx1xV[:, 0], c, settings)
 
-    return _run_steps(step, carry, n_steps, chunk_size)
+    return run_steps(step, carry, n_steps, chunk_size)
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",), donate_argnums=2)
@@ -147,7 +148,7 @@ def uncached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, chu
         logits_BxV = model.unembed(x_Bx1xD)[:, 0]
         return _sample_step(logits_BxV, {**c, "ctx": ctx, "pos": pos + 1}, settings)
 
-    return _run_steps(step, carry, n_steps, chunk_size)
+    return run_steps(step, carry, n_steps, chunk_size)
 
 
 def chunk_program(use_cache: bool):

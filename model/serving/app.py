@@ -24,7 +24,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
-from starlette.responses import FileResponse, JSONResponse, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from model.decoding.prompts import encode_prompt
@@ -44,7 +44,6 @@ from plumbing.errors import UsageError
 from tokenizer import Tokenizer
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
-DISCONNECT_POLL_S = 0.5
 
 
 class Server:
@@ -153,12 +152,15 @@ class Server:
         return await self.whole(http, job, events, ident, completion.chat)
 
     async def whole(self, http, job: Request, events: asyncio.Queue, ident: str, chat: bool):
+        watcher = asyncio.create_task(self.watch(http, job, events))
         pieces = []
         try:
             while True:
-                kind, data = await self.next_event(http, job, events)
+                kind, data = await events.get()
                 if kind == "text":
                     pieces.append(data)
+                elif kind == "gone":
+                    return Response(status_code=499)  # nobody is there to read it
                 elif kind == "error":
                     raise ApiError(503, data, "server_error")
                 else:
@@ -171,23 +173,25 @@ class Server:
                     )
                     return JSONResponse({**answer, "usage": usage(data)})
         finally:
-            job.cancel()  # a no-op once done; frees the row when the client left early
+            watcher.cancel()
+            job.cancel()  # a no-op once done
 
-    async def next_event(self, http: HttpRequest, job: Request, events: asyncio.Queue):
-        """The engine's next event; a client that went away cancels its request."""
-        while True:
-            try:
-                return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await http.is_disconnected():
-                    job.cancel()
-                    raise asyncio.CancelledError from None
+    async def watch(self, http: HttpRequest, job: Request, events: asyncio.Queue) -> None:
+        """A client that leaves, while its request waits in the queue or is decoded, cancels
+        it: its row is freed at the next chunk boundary."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel()
+        events.put_nowait(("gone", None))
 
     async def stream(self, http, job: Request, events: asyncio.Queue, ident: str, chat: bool):
+        watcher = asyncio.create_task(self.watch(http, job, events))
         first = True
         try:
             while True:
-                kind, data = await self.next_event(http, job, events)
+                kind, data = await events.get()
+                if kind == "gone":
+                    return
                 if kind == "error":
                     yield _sse(ApiError(503, data, "server_error").body())
                     return
@@ -200,6 +204,7 @@ class Server:
                     yield "data: [DONE]\n\n"
                     return
         finally:
+            watcher.cancel()
             job.cancel()  # the client disconnected mid-stream: its row is freed
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from model.decoding.sampling import sample_logits
-from model.decoding.steps import PAD_ID
+from model.decoding.steps import PAD_ID, run_steps
 from model.network.gpt import GPT
 
 ROW_FIELDS = ("cache", "ctx", "pending", "done")  # [1, ...] in a row carry, [B, ...] here
@@ -138,12 +138,4 @@ def batch_chunk(
         }
         return c, emitted_B
 
-    rows = batch["pending"].shape[0]
-
-    def body(i, loop_state):
-        c, out_BxC = loop_state
-        c, token_B = step(c)
-        return c, jax.lax.dynamic_update_slice(out_BxC, token_B[:, None], (0, i))
-
-    out_BxC = jnp.full((rows, chunk_size), PAD_ID, jnp.int32)
-    return jax.lax.fori_loop(0, n_steps, body, (batch, out_BxC))
+    return run_steps(step, batch, n_steps, chunk_size)
