@@ -182,9 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     from plumbing.signals import Stopped, raise_on_sigterm
 
     raise_on_sigterm()  # SIGTERM unwinds like Ctrl-C: temp files are removed on the way out
-    if args.debug:
-        show_debug_log()
-    else:
+    show_debug_log(args.debug)
+    if not args.debug:
         quiet_background_errors()
     try:
         return run(args)

@@ -51,15 +51,28 @@ def os_error_line(err: OSError) -> str:
     ) + " (check the path, its permissions and free space; --debug shows the traceback)"
 
 
-def show_debug_log() -> None:
+class _CurrentStderr(logging.StreamHandler):
+    """A handler that writes to whatever `sys.stderr` is at the time of each record (a
+    process that runs several commands, tests under pytest, may replace it between them)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def show_debug_log(enabled: bool = True) -> None:
     """`--debug`: print the `tinyllm` logger's debug records on stderr: what a library said
-    behind a one-line message (a damaged checkpoint's TensorStore error, say)."""
+    behind a one-line message (a damaged checkpoint's TensorStore error, say). Without it,
+    the logger is back to warnings only."""
     logger = logging.getLogger("tinyllm")
-    logger.setLevel(logging.DEBUG)
-    if not any(getattr(h, "_tinyllm_debug", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    logger.setLevel(logging.DEBUG if enabled else logging.WARNING)
+    if enabled and not any(isinstance(h, _CurrentStderr) for h in logger.handlers):
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("tinyllm: debug: %(message)s"))
-        handler._tinyllm_debug = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
 
 
@@ -67,8 +80,7 @@ def show_debug_log() -> None:
 def one_line_errors(name: str, debug: bool = False) -> Iterator[None]:
     """Turn a UsageError or an OSError raised in the block into one line on stderr and
     `SystemExit(2)`; with `debug`, let it raise with its traceback (and show the debug log)."""
-    if debug:
-        show_debug_log()
+    show_debug_log(debug)
     try:
         yield
     except (UsageError, OSError) as err:

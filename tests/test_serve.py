@@ -90,6 +90,13 @@ def test_greedy_text_equals_inference_whatever_shares_the_batch(server, run_dir,
 
     answers = asyncio.run(all_at_once())
     assert [a.choices[0].text for a in answers] == expected
+    # A stop string ends the text before it.
+    stop = expected[0][12:15]
+    cut = client(server).completions.create(
+        model="m", prompt=PROMPTS[0], max_tokens=LONG, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == expected[0][: expected[0].index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
     # The same requests streamed: the chunks add up to the same text, then [DONE].
     api = client(server)
     for prompt, text in zip(PROMPTS[:2], expected[:2], strict=True):
@@ -107,6 +114,19 @@ def test_greedy_text_equals_inference_whatever_shares_the_batch(server, run_dir,
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_16_concurrent_clients_of_64_tokens_all_succeed(server):
+    async def sixteen():
+        api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        calls = [
+            api.completions.create(model="m", prompt=PROMPTS[i % 4], max_tokens=64, seed=i)
+            for i in range(16)
+        ]
+        return await asyncio.gather(*calls)
+
+    answers = asyncio.run(sixteen())
+    assert len(answers) == 16 and all(a.usage.completion_tokens >= 1 for a in answers)
 
 
 def test_seeded_sampling_equals_inference_with_the_same_seed(server, run_dir, capsys):
@@ -252,10 +272,14 @@ def test_api_key_from_the_environment(run_dir):
         assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_a_public_address_without_a_key_is_warned_about(run_dir):
+def test_a_public_address_without_a_key_is_warned_about_and_ctrl_c_ends_it(run_dir):
     with ServerProcess(run_dir, "--host", "0.0.0.0") as server:
         assert any("no API key is set" in line for line in server.lines)
         assert server.url.startswith("http://0.0.0.0:")
+        started = time.monotonic()
+        assert server.stop(signal.SIGINT) == 130 and time.monotonic() - started < 10
+    assert server.lines[-1] == "tinyllm: interrupted", server.lines
+    assert not any("Traceback" in line for line in server.lines)
 
 
 def test_a_quantized_run_is_served(run_dir, tmp_path):
