@@ -1,7 +1,8 @@
-"""tinyllm's model library, one room per job, and the two stages built on it.
+"""tinyllm's model library, one room per job, and the three stages built on it.
 
     train_stage.py      --train: the run's tokenizer and corpus -> trained checkpoints
     inference_stage.py  --inference: a trained run -> text streamed to stdout
+    serve_stage.py      --serve: a trained run -> an OpenAI-compatible HTTP server
     network/            the GPT: config, embeddings, attention, MLPs, mixture of experts
     training/           train settings, token cache, compiled step, loop, metrics, resume
     decoding/           sample settings, KV-cache decoding, its compiled programs and cache
@@ -9,6 +10,7 @@
     processes/          devices and meshes, several processes and hosts
     quantization/       int8/int4 weights: the math, the quantized file, quantizing a run
     interop/            Hugging Face GPT-2 checkpoints in and out
+    serving/            the HTTP server: continuous batching, OpenAI's API, the playground
 
 Example:
     >>> from flax import nnx
