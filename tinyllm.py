@@ -296,6 +296,15 @@ def run(args: argparse.Namespace) -> int:
     from model.processes.distributed import check_single_process_stages, multi_process_requested
 
     check_single_process_stages(args.tokenize, args.inference or args.serve)
+    # Optional packages a later stage needs: refused before an earlier stage does any work.
+    if args.train:
+        from model.training.tracking import require_tracker
+
+        require_tracker(cfg.train.tracker)
+    if args.serve:
+        from model.serve_stage import require_serve_extra
+
+        require_serve_extra()
     from model.rundir.layout import check_out_dir, check_run_dir, check_utf8_path
 
     check_utf8_path(run_dir)

@@ -35,14 +35,10 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
     serve = dataclasses.replace(
         cfg.serve, api_key=cfg.serve.api_key or os.environ.get(API_KEY_ENV, "")
     )
-    try:
-        import uvicorn
+    require_serve_extra()
+    import uvicorn
 
-        from model.serving.app import build_app
-    except ImportError as err:
-        raise UsageError(
-            f"--serve needs the serve extra ({err.name} is missing): pip install -e '.[serve]'"
-        ) from None
+    from model.serving.app import build_app
     from model.serving.engine import Engine
 
     if cfg.init_from and not started_from(run_dir, cfg.init_from):
@@ -110,6 +106,17 @@ def stopping_server_class():
             super().handle_exit(sig, frame)
 
     return StoppingServer
+
+
+def require_serve_extra() -> None:
+    """UsageError in one line when the serve extra (Starlette, uvicorn) is not installed."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        raise UsageError(
+            f"--serve needs the serve extra ({err.name} is missing): pip install -e '.[serve]'"
+        ) from None
 
 
 def bind(serve: ServeConfig) -> socket.socket:

@@ -205,6 +205,13 @@ def test_bad_input_is_a_4xx_json_error_and_the_server_goes_on(server, case):
     assert post(server, "/v1/completions", {"prompt": "to", "max_tokens": 2}).status_code == 200
 
 
+def test_without_the_serve_extra_it_is_one_line(run_dir, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn now fails
+    assert tinyllm.main(["--serve", "--out", str(run_dir), "--port", "0"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("tinyllm: error: --serve needs the serve extra") and "[serve]" in line
+
+
 def test_unknown_routes_and_methods_are_json_errors(server):
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"]
     response = httpx.get(server.url + "/v1/completions")

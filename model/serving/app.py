@@ -67,7 +67,9 @@ class Server:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: HttpRequest) -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": self.model_name, **self.engine.stats()})
+        stats = self.engine.stats()
+        code = 200 if stats["status"] == "ok" else 503
+        return JSONResponse({"model": self.model_name, **stats}, status_code=code)
 
     async def playground(self, request: HttpRequest) -> FileResponse:
         return FileResponse(PLAYGROUND, media_type="text/html")

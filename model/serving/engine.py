@@ -134,7 +134,13 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         with self._wake:
+            status = "ok"
+            if self._failure is not None:
+                status = "failed"
+            elif self._stopping is not None or self._draining is not None:
+                status = "shutting down"
             return {
+                "status": status,
                 "queue_length": len(self.waiting),
                 "active": sum(r is not None for r in self.slots),
                 "batch_rows": self.rows,
