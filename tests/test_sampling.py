@@ -105,3 +105,19 @@ def test_invalid_settings(t, k, p, message):
         check_sampling(t, k, p)
     with pytest.raises(UsageError, match=message):
         sampling_params(t, k, p)
+
+
+def test_per_row_keys_and_settings_sample_each_row_as_a_batch_of_one():
+    """The server's batch: each row its own key, temperature, top-k and top-p, drawn as
+    `--inference` draws a batch of one with that key."""
+    logits = jax.random.normal(jax.random.key(3), (4, 50)) * 3
+    keys = jax.random.split(jax.random.key(7), 4)
+    temperature = jnp.array([0.0, 0.8, 1.3, 1.0], jnp.float32)
+    top_k = jnp.array([0, 5, 0, 10], jnp.int32)
+    top_p = jnp.array([1.0, 1.0, 0.7, 0.9], jnp.float32)
+    batch = sample_logits(logits, keys, temperature, top_k, top_p)
+    rows = [
+        sample_logits(logits[i : i + 1], keys[i], temperature[i], top_k[i], top_p[i])[0]
+        for i in range(4)
+    ]
+    assert batch.tolist() == [int(r) for r in rows]

@@ -52,18 +52,22 @@ def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
 
     top-k keeps exactly k tokens (ties broken towards the lower id); top-p then keeps the
     smallest prefix of the remaining tokens, by descending probability, whose mass is >= p
-    (always at least one). top_k = 0 and top_p = 1 switch them off.
+    (always at least one). top_k = 0 and top_p = 1 switch them off. top_k and top_p are
+    scalars, or one per row ([B]: the server's batch, each request its own).
     """
     vocab = logits_BxV.shape[-1]
     order_BxV = jnp.argsort(-logits_BxV, axis=-1, stable=True)  # token ids, best first
     sorted_BxV = jnp.take_along_axis(logits_BxV, order_BxV, axis=-1)
     rank_V = jnp.arange(vocab)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    sorted_BxV = jnp.where(rank_V[None, :] < k, sorted_BxV, _NEG)
+    k_Bx1 = jnp.reshape(jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab), (-1, 1))
+    top_p_Bx1 = jnp.reshape(top_p, (-1, 1))
+    sorted_BxV = jnp.where(rank_V[None, :] < k_Bx1, sorted_BxV, _NEG)
 
     probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
     mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-    keep_sorted_BxV = (rank_V[None, :] < k) & ((mass_before_BxV < top_p) | (rank_V[None, :] == 0))
+    keep_sorted_BxV = (rank_V[None, :] < k_Bx1) & (
+        (mass_before_BxV < top_p_Bx1) | (rank_V[None, :] == 0)
+    )
 
     # Scatter the keep-mask back from rank order to token order.
     keep_BxV = (
@@ -82,16 +86,23 @@ def sample_logits(
     top_p: jax.Array,
 ) -> jax.Array:
     """Next token ids [B] (int32). temperature 0 = argmax; otherwise softmax(logits / T)
-    restricted to the top-k / top-p set. The settings may be traced scalars."""
+    restricted to the top-k / top-p set. The settings may be traced scalars, or one per row
+    ([B]); `key` is one key for the batch, or one per row (shape [B]: row i draws as a batch
+    of one with key i would, so a server's request samples as `--inference` does)."""
     logits_BxV = logits_BxV.astype(jnp.float32)
     greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    scaled_BxV = logits_BxV / jnp.maximum(temperature, 1e-6)
-    # The sort behind the filters costs O(V log V) per step: skip it when both are off.
+    scaled_BxV = logits_BxV / jnp.reshape(jnp.maximum(temperature, 1e-6), (-1, 1))
+    # The sort behind the filters costs O(V log V) per step: skip it when both are off (in
+    # every row: a per-row choice under vmap would run both branches).
     filtered_BxV = jax.lax.cond(
-        (top_k > 0) | (top_p < 1.0),
+        jnp.any((top_k > 0) | (top_p < 1.0)),
         lambda x: filter_logits(x, top_k, top_p),
         lambda x: x,
         scaled_BxV,
     )
-    sampled_B = jax.random.categorical(key, filtered_BxV, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled_B, greedy_B)
+    if key.shape:  # a key per row
+        draw = jax.vmap(lambda k, row_V: jax.random.categorical(k, row_V[None], axis=-1)[0])
+        sampled_B = draw(key, filtered_BxV).astype(jnp.int32)
+    else:
+        sampled_B = jax.random.categorical(key, filtered_BxV, axis=-1).astype(jnp.int32)
+    return jnp.where(jnp.reshape(temperature, (-1,)) > 0, sampled_B, greedy_B)

@@ -11,12 +11,14 @@ back. So a request sees exactly the context policy of `--inference`.
 The decode step (`batch_chunk`) runs the model's single-row cached decode under `jax.vmap`:
 every row writes its k/v at its own position and attends over its own cache slots, and
 samples with its own settings and key (`fold_in(key(seed), step)`, as `--inference` does).
-Free slots are carried along, masked by `active`: their writes go to rows nobody reads.
+Free slots among the rows run are masked by `active` (their writes go to rows nobody reads);
+a chunk runs only the first rows, as many as the highest busy slot needs, rounded up to a
+power of two (each such count is its own compiled program, all compiled at start-up).
 
     >>> batch = empty_batch(model, rows=4)                           # doctest: +SKIP
     >>> batch = put_row(batch, row_carry, np.int32(2))
     >>> batch, tokens_BxC = batch_chunk(graphdef, state, batch, settings, active, np.int32(4),
-    ...                                 chunk_size=8)
+    ...                                 chunk_size=8, rows=4)
 """
 
 from __future__ import annotations
@@ -93,23 +95,33 @@ def take_row(batch: dict, slot) -> dict:
     return row
 
 
-@partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",), donate_argnums=2)
+@partial(jax.jit, static_argnums=0, static_argnames=("chunk_size", "rows"), donate_argnums=2)
 def batch_chunk(
-    graphdef, state, batch: dict, settings: dict, active_B, n_steps, *, chunk_size: int
+    graphdef,
+    state,
+    batch: dict,
+    settings: dict,
+    active_B,
+    n_steps,
+    *,
+    chunk_size: int,
+    rows: int,
 ) -> tuple[dict, jax.Array]:
     """n_steps (traced, <= chunk_size) decode steps of every active row; the host keeps each
-    active row's pos + n_steps <= block_size. Returns (batch, tokens [B, chunk_size]): PAD_ID
-    for free slots, for rows past their stop token and past n_steps."""
+    active row's pos + n_steps <= block_size. Only the first `rows` rows run (the host puts
+    every active row there): a few requests cost a few rows' compute, not the whole batch's.
+    Returns (batch, tokens [B, chunk_size]): PAD_ID for free slots, for rows past their stop
+    token and past n_steps."""
     model = nnx.merge(graphdef, state)
+    total = batch["pending"].shape[0]
+    head = jax.tree_util.tree_map(lambda x: x[:rows], batch)
+    settings = jax.tree_util.tree_map(lambda x: x[:rows], settings)
+    active_B = active_B[:rows]
 
     def decode_row(token, cache_row, pos):
         cache = jax.tree_util.tree_map(lambda x: x[None], cache_row)
         logits_1x1xV, cache = model.decode(token[None, None], cache, pos)
         return logits_1x1xV[0, 0], jax.tree_util.tree_map(lambda x: x[0], cache)
-
-    def sample_row(logits_V, seed, step, temperature, top_k, top_p):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return sample_logits(logits_V[None], key, temperature, top_k, top_p)[0]
 
     def write_ctx(ctx_S, token, pos):
         return jax.lax.dynamic_update_index_in_dim(ctx_S, token, pos, axis=0)
@@ -117,13 +129,11 @@ def batch_chunk(
     def step(c):
         logits_BxV, cache = jax.vmap(decode_row)(c["pending"], c["cache"], c["pos"])
         ctx = jax.vmap(write_ctx)(c["ctx"], c["pending"], c["pos"])
-        token_B = jax.vmap(sample_row)(
-            logits_BxV,
-            settings["seed"],
-            c["step"],
-            settings["temperature"],
-            settings["top_k"],
-            settings["top_p"],
+        keys_B = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
+            settings["seed"], c["step"]
+        )
+        token_B = sample_logits(
+            logits_BxV, keys_B, settings["temperature"], settings["top_k"], settings["top_p"]
         )
         live_B = active_B & ~c["done"]
         emitted_B = jnp.where(live_B, token_B, PAD_ID)
@@ -138,4 +148,9 @@ def batch_chunk(
         }
         return c, emitted_B
 
-    return run_steps(step, batch, n_steps, chunk_size)
+    head, tokens_RxC = run_steps(step, head, n_steps, chunk_size)
+    batch = jax.tree_util.tree_map(
+        lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=0), batch, head
+    )
+    tokens_BxC = jnp.full((total, chunk_size), PAD_ID, jnp.int32).at[:rows].set(tokens_RxC)
+    return batch, tokens_BxC

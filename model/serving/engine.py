@@ -86,6 +86,9 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         self.refill = jit_programs(model, use_cache=True, chunk_size=1).refill
         self.batch = empty_batch(model, rows)
+        # Row counts a chunk may run: powers of two below `rows`, and `rows` (admission takes
+        # the lowest free slot, so few requests stay in few rows).
+        self.row_counts = sorted({*(2**i for i in range(rows.bit_length()) if 2**i < rows), rows})
         self.settings = batch_settings(rows)
         self.pos = np.zeros(rows, np.int32)  # host copy of each row's position
         self.slots: list[Request | None] = [None] * rows
@@ -104,7 +107,8 @@ class Engine:
         """Compile the programs (a one-token request through every path), then serve."""
         warm = Request(prompt_ids=[0], max_tokens=2, on_event=lambda kind, data: None)
         self._admit_one(0, warm)
-        self._chunk(1)
+        for rows in self.row_counts:
+            self._chunk(1, rows)
         self._slide(0, force=True)
         self._release(0)
         self._thread.start()
@@ -221,8 +225,13 @@ class Engine:
         self.batch = put_row(self.batch, row, np.int32(slot))
         self.pos[slot] = keep
 
-    def _chunk(self, steps: int) -> np.ndarray:
+    def _chunk(self, steps: int, rows: int | None = None) -> np.ndarray:
+        """One compiled chunk over the first rows that hold every busy slot (the smallest
+        count in `row_counts` that does)."""
         active = np.array([r is not None for r in self.slots])
+        if rows is None:
+            needed = int(np.flatnonzero(active).max()) + 1 if active.any() else 1
+            rows = next(n for n in self.row_counts if n >= needed)
         self.batch, tokens_BxC = batch_chunk(
             self.graphdef,
             self.state,
@@ -231,6 +240,7 @@ class Engine:
             active,
             np.int32(steps),
             chunk_size=self.chunk_steps,
+            rows=rows,
         )
         self.pos[active] += steps
         return np.asarray(tokens_BxC)[:, :steps]
