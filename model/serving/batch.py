@@ -3,10 +3,11 @@
 A row is one request's decoding state in the batch: its KV cache rows, its context, its
 position, its pending token and its step count. Rows move at their own positions (per-row
 lengths), so requests of any prompt length share one decode step. A request's prompt goes
-into the cache through the same single-row `refill` program `--inference` uses
-(model.decoding.steps), and the row is then put into a free slot of the batch (`put_row`);
-a row whose context is full is taken out (`take_row`), slid by that same program and put
-back. So a request sees exactly the context policy of `--inference`.
+into the cache on its own (`prefill_row`: one forward pass as wide as the prompt needs, or
+`--inference`'s own `refill` program for a prompt longer than its window), and the row is
+then put into a free slot of the batch (`put_row`); a row whose context is full is taken out
+(`take_row`), slid by `--inference`'s `refill` program and put back. So a request sees the
+context policy of `--inference`.
 
 The decode step (`batch_chunk`) runs the model's single-row cached decode under `jax.vmap`:
 every row writes its k/v at its own position and attends over its own cache slots, and
@@ -64,6 +65,18 @@ def batch_settings(rows: int) -> dict[str, np.ndarray]:
         "top_p": np.ones((rows,), np.float32),
         "stop": np.full((rows,), -1, np.int32),
     }
+
+
+@partial(jax.jit, static_argnums=0, static_argnames=("width",), donate_argnums=2)
+def prefill_row(graphdef, state, row: dict, keep, *, width: int) -> dict:
+    """A single-row carry with its first `keep` context tokens (a prompt's, all but the last)
+    written into its cache, in one piece of `width` >= keep tokens (the rest is padding,
+    masked by position and overwritten before any query sees it). Widths come in a few sizes
+    up to --inference's refill window, so a short prompt costs a short forward pass."""
+    model = nnx.merge(graphdef, state)
+    piece_1xW = row["ctx"][:, :width]
+    _, cache = model.decode(piece_1xW, row["cache"], 0, last_only=True)
+    return {**row, "cache": cache, "pos": keep}
 
 
 @partial(jax.jit, donate_argnums=0)

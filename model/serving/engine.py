@@ -32,7 +32,14 @@ from model.decoding.programs import jit_programs
 from model.decoding.prompts import stop_token_of
 from model.decoding.steps import PAD_ID, start_carry, window_size
 from model.network.gpt import GPT
-from model.serving.batch import batch_chunk, batch_settings, empty_batch, put_row, take_row
+from model.serving.batch import (
+    batch_chunk,
+    batch_settings,
+    empty_batch,
+    prefill_row,
+    put_row,
+    take_row,
+)
 from model.serving.text import StopText
 from tokenizer import Tokenizer
 
@@ -85,6 +92,8 @@ class Engine:
         self.stop_token = stop_token_of(tokenizer)
         self.graphdef, self.state = nnx.split(model)
         self.refill = jit_programs(model, use_cache=True, chunk_size=1).refill
+        # Prompt widths a prefill may run: 16, 32, ... up to --inference's refill window.
+        self.prefill_widths = sorted({min(2**i, self.window) for i in range(4, 16)} | {self.window})
         self.batch = empty_batch(model, rows)
         # Row counts a chunk may run: powers of two below `rows`, and `rows` (admission takes
         # the lowest free slot, so few requests stay in few rows).
@@ -105,8 +114,11 @@ class Engine:
 
     def start(self) -> None:
         """Compile the programs (a one-token request through every path), then serve."""
-        warm = Request(prompt_ids=[0], max_tokens=2, on_event=lambda kind, data: None)
-        self._admit_one(0, warm)
+        for width in self.prefill_widths:
+            prompt_ids = [0] * (width + 1)
+            self._admit_one(0, Request(prompt_ids, 2, on_event=lambda kind, data: None))
+        long = [0] * min(self.window + 2, self.size)  # past the window: --inference's refill
+        self._admit_one(0, Request(long, 2, on_event=lambda kind, data: None))
         for rows in self.row_counts:
             self._chunk(1, rows)
         self._slide(0, force=True)
@@ -199,7 +211,13 @@ class Engine:
         prompt = np.asarray(request.prompt_ids, np.int32)
         row = start_carry(self.model, prompt, 1, use_cache=True)
         keep = len(prompt) - 1
-        row = refill_pieces(self.refill, self.state, row, shift=0, keep=keep, window=self.window)
+        if keep <= self.window:
+            width = next(w for w in self.prefill_widths if w >= keep)
+            row = prefill_row(self.graphdef, self.state, row, np.int32(keep), width=width)
+        else:
+            row = refill_pieces(
+                self.refill, self.state, row, shift=0, keep=keep, window=self.window
+            )
         self.batch = put_row(self.batch, row, np.int32(slot))
         self.pos[slot] = keep
         s = self.settings
