@@ -29,7 +29,9 @@ import tinyllm  # noqa: E402
 from tests.serve_helpers import ServerProcess  # noqa: E402
 from tests.tiny_runs import ROOT, train_tiny_run  # noqa: E402
 
-PROMPTS = ["to be", "the question", "whether tis not", "or"]
+# Short prompts, and one longer than the refill window (16 tokens): prefilled by --inference's
+# own refill program rather than one short pass.
+PROMPTS = ["to be", "the question", "whether tis not", "or", "to be or not to be that is"]
 ENDLESS = 200_000  # new tokens: a request that runs until it is cut short
 LONG = 40  # new tokens: past the 32-token context, so every row slides at least once
 
@@ -78,6 +80,8 @@ def test_models_health_and_a_completion(server):
 
 
 def test_greedy_text_equals_inference_whatever_shares_the_batch(server, run_dir, capsys):
+    health = httpx.get(server.url + "/health").json()
+    assert health["batch_rows"] < len(PROMPTS)  # some wait for a row, then join mid-stream
     expected = [inference_text(run_dir, p, LONG, capsys) for p in PROMPTS]
 
     async def all_at_once():
