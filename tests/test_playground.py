@@ -100,7 +100,7 @@ def greedy_answer(url: str, prompt: str, max_tokens: int, key: str = "") -> str:
 
 
 def test_the_page_streams_the_greedy_completion(page, run_dir, tmp_path):
-    with ServerProcess(run_dir) as server:
+    with ServerProcess(run_dir, "serve.batch_size=2") as server:
         page.goto(server.url + "/")
         expect(page.locator("#model")).to_have_text(f"model {run_dir.name}", timeout=WAIT_MS)
         assert page.input_value("#temperature") == "0.8"
@@ -126,7 +126,7 @@ def test_the_page_streams_the_greedy_completion(page, run_dir, tmp_path):
 
 
 def test_the_api_key_field_is_sent_as_a_bearer_token(page, run_dir):
-    with ServerProcess(run_dir, "--api-key", KEY) as server:
+    with ServerProcess(run_dir, "serve.batch_size=2", "--api-key", KEY) as server:
         page.goto(server.url + "/")
         generate(page, PROMPT, MAX_TOKENS)
         expect(page.locator("#status")).to_have_class("error")

@@ -32,6 +32,7 @@ from tests.tiny_runs import ROOT, train_tiny_run  # noqa: E402
 # Short prompts, and one longer than the refill window (16 tokens): prefilled by --inference's
 # own refill program rather than one short pass.
 PROMPTS = ["to be", "the question", "whether tis not", "or", "to be or not to be that is"]
+SMALL = ("serve.batch_size=2",)  # fewer programs to compile at start-up (row counts 1, 2)
 ENDLESS = 200_000  # new tokens: a request that runs until it is cut short
 LONG = 40  # new tokens: past the 32-token context, so every row slides at least once
 
@@ -272,7 +273,7 @@ def test_a_full_queue_answers_429_at_once_and_a_flood_gets_only_2xx_429_503(run_
 
 def test_api_key_from_the_environment(run_dir):
     env = {"TINYLLM_API_KEY": "s3cret"}
-    with ServerProcess(run_dir, env=env) as server:
+    with ServerProcess(run_dir, *SMALL, env=env) as server:
         body = {"prompt": "to", "max_tokens": 2}
         assert post(server, "/v1/completions", body).status_code == 401
         wrong = post(server, "/v1/completions", body, headers={"Authorization": "Bearer nope"})
@@ -284,7 +285,7 @@ def test_api_key_from_the_environment(run_dir):
 
 
 def test_a_public_address_without_a_key_is_warned_about_and_ctrl_c_ends_it(run_dir):
-    with ServerProcess(run_dir, "--host", "0.0.0.0") as server:
+    with ServerProcess(run_dir, *SMALL, "--host", "0.0.0.0") as server:
         assert any("no API key is set" in line for line in server.lines)
         assert server.url.startswith("http://0.0.0.0:")
         started = time.monotonic()
@@ -300,13 +301,13 @@ def test_a_quantized_run_is_served(run_dir, tmp_path):
     shutil.copytree(run_dir, quantized)
     script = [sys.executable, str(ROOT / "scripts" / "quantize.py"), "--run", str(quantized)]
     subprocess.run([*script, "--bits", "8"], check=True, capture_output=True, timeout=300)
-    with ServerProcess(quantized) as server:
+    with ServerProcess(quantized, *SMALL) as server:
         answer = client(server).completions.create(model="m", prompt="to", max_tokens=4)
         assert answer.usage.completion_tokens >= 1
 
 
 def test_sigterm_ends_the_server_within_10_s_with_one_line(run_dir):
-    with ServerProcess(run_dir, f"serve.max_tokens={ENDLESS}") as server:
+    with ServerProcess(run_dir, *SMALL, f"serve.max_tokens={ENDLESS}") as server:
         body = {"prompt": "to", "max_tokens": ENDLESS, "stream": True, "temperature": 0}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as live:
             lines = live.iter_lines()  # kept: a dropped iterator closes the response
