@@ -269,7 +269,7 @@ def compilation_cache_folder() -> Path | None:
 
 def enable_compilation_cache() -> None:
     """Keep XLA's compiled programs on disk (JAX's persistent cache), so a second training run
-    starts at once. Sampling keeps its own programs (model.decoding.program_cache), and a
+    or server starts at once. Sampling keeps its own programs (model.decoding.program_cache), and a
     process that only samples leaves JAX's cache off: an executable read from it could not be
     kept in ours.
     """
@@ -339,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
     if args.serve:
         from model.serve_stage import run_serve
 
+        if not args.inference:  # --inference keeps its programs in its own cache (above)
+            enable_compilation_cache()  # the server's programs: a second start skips compiling
         return run_serve(cfg, run_dir)
     return 0
 
