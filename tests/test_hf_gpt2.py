@@ -230,23 +230,16 @@ def test_logits_equal_transformers_gpt2(hf, bpe, tmp_path, config):
     np.testing.assert_allclose(forward(model, jnp.asarray(ids, jnp.int32)), theirs, atol=1e-4)
 
 
+def greedy_from(capsys, directory, out_dir, prompt: str, new_tokens: int = 12):
+    """(exit code, stdout, stderr) of `--inference --init-from DIR` at temperature 0."""
+    argv = ["--inference", "--init-from", directory, "--out", out_dir, "--prompt", prompt]
+    return run_cli(capsys, *argv, "--max-new-tokens", str(new_tokens), "--temperature", "0")
+
+
 def test_inference_samples_gpt2_directly(hf, bpe, gpt2_dir, tmp_path, capsys):
     directory, reference = gpt2_dir
     prompt = "to be or"
-    code, out, err = run_cli(
-        capsys,
-        "--inference",
-        "--init-from",
-        directory,
-        "--out",
-        tmp_path / "unused",
-        "--prompt",
-        prompt,
-        "--max-new-tokens",
-        "12",
-        "--temperature",
-        "0",
-    )
+    code, out, err = greedy_from(capsys, directory, tmp_path / "unused", prompt)
     assert code == 0, err
     torch, _ = hf
     ids = bpe.encode(prompt)

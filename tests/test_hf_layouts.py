@@ -22,6 +22,7 @@ from tests.test_hf_gpt2 import (  # noqa: F401 (bpe, corpus, hf: fixtures)
     ODD_TEXTS,
     bpe,
     corpus,
+    greedy_from,
     hf,
     make_gpt2_dir,
     run_cli,
@@ -245,20 +246,7 @@ def test_init_from_either_layout_gives_transformers_logits_and_greedy_text(
             do_sample=False,
             pad_token_id=bpe.token_to_id(EOT),
         )[0, len(prompt_ids) :].tolist()
-    code, out, err = run_cli(
-        capsys,
-        "--inference",
-        "--init-from",
-        directory,
-        "--out",
-        tmp_path / "unused",
-        "--prompt",
-        prompt,
-        "--max-new-tokens",
-        "12",
-        "--temperature",
-        "0",
-    )
+    code, out, err = greedy_from(capsys, directory, tmp_path / "unused", prompt)
     assert code == 0, err
     assert out == prompt + their_tokenizer.decode(greedy) + "\n"
 
