@@ -28,9 +28,8 @@ from model.decoding.generate import check_seed, generate
 from model.decoding.program_cache import ProgramCache
 from model.decoding.programs import DecodePrograms, compile_programs
 from model.decoding.prompts import check_text, encode_prompt, stop_token_of
-from model.interop.hf_import import started_from
+from model.interop.hf_import import load_for_sampling
 from model.network.gpt import GPT
-from model.rundir.trained import open_trained_run
 from plumbing.errors import UsageError
 from tokenizer import Tokenizer
 
@@ -57,12 +56,7 @@ def run_inference(
     check_seed(s.seed)
     if s.prompt is not None:
         check_text(s.prompt)
-    if cfg.init_from and not started_from(run_dir, cfg.init_from):
-        from model.interop.hf_import import load_hf_gpt2
-
-        tokenizer, model = load_hf_gpt2(cfg.init_from, cfg.model)  # GPT-2 itself, not a run
-    else:
-        tokenizer, model, _ = open_trained_run(run_dir).load(program_cache)
+    tokenizer, model = load_for_sampling(run_dir, cfg.init_from, cfg.model, program_cache)
     if s.prompt is not None:
         encode_prompt(tokenizer, s.prompt, model.cfg.block_size)  # refuse it before compiling
     # Compile everything before the first token, and in the loop before the first prompt is

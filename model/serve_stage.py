@@ -22,8 +22,7 @@ import threading
 from pathlib import Path
 
 from configs.schema import Config
-from model.interop.hf_import import started_from
-from model.rundir.trained import open_trained_run
+from model.interop.hf_import import load_for_sampling
 from model.serving.config import API_KEY_ENV, ServeConfig
 from plumbing.errors import UsageError
 
@@ -41,14 +40,12 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
     from model.serving.app import build_app
     from model.serving.engine import Engine
 
-    if cfg.init_from and not started_from(run_dir, cfg.init_from):
-        from model.interop.hf_import import load_hf_gpt2
-
-        tokenizer, model = load_hf_gpt2(cfg.init_from, cfg.model)
-        name = Path(cfg.init_from).name or cfg.init_from
-    else:
-        tokenizer, model, _ = open_trained_run(run_dir).load()
-        name = Path(run_dir).resolve().name
+    tokenizer, model = load_for_sampling(run_dir, cfg.init_from, cfg.model)
+    name = (
+        (Path(cfg.init_from).name or cfg.init_from)
+        if cfg.init_from
+        else Path(run_dir).resolve().name
+    )
     listener = bind(serve)
     engine = Engine(
         model,

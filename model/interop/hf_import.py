@@ -157,3 +157,17 @@ def started_from(run_dir: Path, init_from: str) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(saved, dict) and saved.get("init_from") == init_from
+
+
+def load_for_sampling(
+    run_dir: Path, init_from: str, base: ModelConfig, cache=None
+) -> tuple[Any, GPT]:
+    """(tokenizer, model) that --inference and --serve sample: GPT-2 itself for `init_from`
+    (unless run_dir holds a model fine-tuned from it), else the run's newest intact weights
+    (`cache`: a ProgramCache keeping the abstract model)."""
+    if init_from and not started_from(run_dir, init_from):
+        return load_hf_gpt2(init_from, base)
+    from model.rundir.trained import open_trained_run
+
+    tokenizer, model, _ = open_trained_run(run_dir).load(cache)
+    return tokenizer, model
