@@ -3,8 +3,9 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/multidevice_run.py \
         CONFIG RUN_DIR '["key=value", ...]'
 
-prints one JSON line: device count, per-step losses for data-parallel and FSDP training, and
-how the last batch was laid out over the devices.
+prints one JSON line: device count, per-step losses for data-parallel and FSDP training, how
+the last batch was laid out over the devices, and for FSDP how the optimizer state is laid
+out and how often JAX compiled the train step, on the fresh run and after a restore.
 """
 
 import json
@@ -14,37 +15,106 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+class CompileCounter:
+    """How many times JAX compiled each function (its backend-compile events, by name)."""
+
+    def __init__(self):
+        import jax
+        from jax._src import dispatch
+
+        self.counts: dict[str, int] = {}
+        event_name = dispatch.BACKEND_COMPILE_EVENT
+
+        def listener(event, duration, **kwargs):
+            if event == event_name:
+                name = kwargs.get("fun_name", "")
+                self.counts[name] = self.counts.get(name, 0) + 1
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+
+    def of(self, name: str) -> int:
+        return self.counts.get(f"jit({name})", 0) + self.counts.get(name, 0)
+
+
+def optimizer_layout(trainer) -> dict:
+    """For every optimizer-state leaf of 2+ dimensions: whether it is laid out as its
+    parameter (same path tail, same shape), and how many such leaves are sharded."""
+    import jax
+
+    from model.network.params import path_names
+
+    params = {path_names(p): x for p, x in jax.tree_util.tree_leaves_with_path(trainer.params)}
+    leaves, alike, sharded = 0, 0, 0
+    for path, x in jax.tree_util.tree_leaves_with_path(trainer.opt_state):
+        if x.ndim < 2:
+            continue
+        leaves += 1
+        names = path_names(path)
+        match = next((params[names[i:]] for i in range(len(names)) if names[i:] in params), None)
+        alike += match is not None and match.sharding == x.sharding
+        sharded += len({str(s.index) for s in x.addressable_shards}) > 1
+    return {"leaves": leaves, "alike": alike, "sharded": sharded}
+
+
+def train_steps(trainer, tokens, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = trainer.batch(tokens, step)
+        trainer.params, trainer.opt_state, metrics = trainer.train_step(
+            trainer.params, trainer.opt_state, x, y, step
+        )
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
 def short_run(config: str, run_dir: str, overrides: list[str], steps: int = 6) -> dict:
     import jax
 
     from configs.schema import load_config
+    from model.rundir.checkpoints import Checkpoints
     from model.training.data import load_token_splits
     from model.training.trainer import Trainer
     from tokenizer import load_tokenizer
     from tokenizer.corpus import corpus_for
 
+    counter = CompileCounter()
     out: dict = {"devices": jax.device_count()}
     tok_path = Path(run_dir) / "tokenizer.pkl"
     tok = load_tokenizer(tok_path)
     for fsdp in (False, True):
         cfg = load_config(config, [*overrides, f"train.fsdp={str(fsdp).lower()}"])
         splits = load_token_splits(corpus_for(cfg.data), tok, tok_path, Path(run_dir), 0.1)
-        trainer = Trainer(cfg.train, cfg.model.for_vocab(tok.vocab_size))
-        losses = []
-        for step in range(steps):
-            x, y = trainer.batch(splits.train, step)
-            trainer.params, trainer.opt_state, metrics = trainer.train_step(
-                trainer.params, trainer.opt_state, x, y, step
-            )
-            losses.append(float(metrics["loss"]))
-        out["fsdp" if fsdp else "data_parallel"] = losses
+        model_cfg = cfg.model.for_vocab(tok.vocab_size)
+        trainer = Trainer(cfg.train, model_cfg)
+        before = counter.of("step")
+        out["fsdp" if fsdp else "data_parallel"] = train_steps(trainer, splits.train, range(steps))
         kernel = jax.tree_util.tree_leaves(trainer.params)[0]
         out["fsdp_param_shards" if fsdp else "dp_param_shards"] = len(
             {str(s.index) for s in kernel.addressable_shards}
         )
-    out["batch_shards"] = sorted({str(s.index) for s in x.addressable_shards})
-    out["batch_shard_rows"] = [s.data.shape[1] for s in x.addressable_shards]
+        if fsdp:
+            out["fsdp_step_compiles"] = counter.of("step") - before
+            out["fsdp_optimizer"] = optimizer_layout(trainer)
+            # --resume's path: a new trainer restores a checkpoint into its own layout.
+            checkpoints = Checkpoints(Path(run_dir) / f"fsdp-{jax.device_count()}")
+            checkpoints.save(steps, trainer.params, trainer.opt_state, {"config": {}})
+            checkpoints.wait()
+            resumed = Trainer(cfg.train, model_cfg)
+            resumed.params, resumed.opt_state, _ = checkpoints.restore(
+                steps, resumed.params, resumed.opt_state
+            )
+            checkpoints.close()
+            before = counter.of("step")
+            out["resumed"] = train_steps(resumed, splits.train, range(steps, steps + 2))
+            out["resumed_step_compiles"] = counter.of("step") - before
+            out["resumed_optimizer"] = optimizer_layout(resumed)
+    out["batch_shards"] = sorted({str(s.index) for s in x_shards(trainer, splits)})
+    out["batch_shard_rows"] = [s.data.shape[1] for s in x_shards(trainer, splits)]
     return out
+
+
+def x_shards(trainer, splits):
+    return trainer.batch(splits.train, 0)[0].addressable_shards
 
 
 if __name__ == "__main__":

@@ -139,7 +139,8 @@ def test_token_cache_is_rebuilt_when_the_corpus_changes(tmp_path, corpus_file):
 
 @pytest.mark.parametrize("recipe", [[], RECIPE], ids=["gpt2-recipe", "modern-recipe"])
 def test_four_simulated_devices_match_one(tmp_path, corpus_file, recipe):
-    """Same global batch on 1 and 4 devices (data parallel and FSDP): the same losses."""
+    """Same global batch on 1 and 4 devices (data parallel and FSDP): the same losses; FSDP
+    shards the optimizer state and compiles the step once, fresh and resumed."""
     from tests.multidevice_run import short_run
 
     overrides = [f"data.input={json.dumps([str(corpus_file)])}", *TINY, *recipe]
@@ -167,6 +168,13 @@ def test_four_simulated_devices_match_one(tmp_path, corpus_file, recipe):
     assert four["dp_param_shards"] == 1 and four["fsdp_param_shards"] == 4
     for mode in ("data_parallel", "fsdp"):
         np.testing.assert_allclose(four[mode], one["data_parallel"], rtol=2e-5, atol=2e-5)
+    # FSDP shards what it says: every optimizer moment of 2+ dimensions is laid out as its
+    # parameter (sharded), and JAX compiles the step once, fresh and after a restore.
+    for run in ("fsdp", "resumed"):
+        layout = four[f"{run}_optimizer"]
+        assert layout["leaves"] > 0 and layout["alike"] == layout["sharded"] == layout["leaves"]
+        assert four[f"{run}_step_compiles"] == 1, four
+    np.testing.assert_allclose(four["resumed"], one["resumed"], rtol=2e-5, atol=2e-5)
 
 
 def test_trains_from_a_local_dataset_through_the_hf_loader(tmp_path, corpus_file):

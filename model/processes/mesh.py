@@ -54,20 +54,35 @@ def param_shardings(params, mesh: Mesh, fsdp: bool):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def place_on_mesh(tree, mesh: Mesh):
-    """Replicate leaves that are not yet on the mesh (e.g. optimizer step counters).
+def shardings_like_params(tree, params, shardings, mesh: Mesh):
+    """Shardings for a tree that holds parameter-shaped leaves (optimizer moments): each such
+    leaf sharded as its parameter, everything else (step counts, schedule state) replicated.
 
-    Otherwise the step's outputs, which are on the mesh, would not match its first inputs
-    and the step would compile a second time.
+    A leaf belongs to a parameter when its key path ends with the parameter's path and the
+    shapes agree: optax nests the moments under its own keys (`mu`, `nu`, muon's partition)
+    but keeps each parameter's path below them. Without this, `jax.jit(tx.init)` returns the
+    moments replicated (zeros depend on no sharded input), FSDP holds the whole Adam state on
+    every device, and the step compiles again once it returns the state sharded.
     """
+    by_path = {
+        path_names(path): (x.shape, sharding)
+        for (path, x), sharding in zip(
+            jax.tree_util.tree_leaves_with_path(params),
+            jax.tree_util.tree_leaves(shardings),
+            strict=True,
+        )
+    }
     replicated = NamedSharding(mesh, P())
 
-    def place(x):
-        if isinstance(getattr(x, "sharding", None), NamedSharding):
-            return x
-        return jax.device_put(x, replicated)
+    def spec(path, x) -> NamedSharding:
+        names = path_names(path)
+        for start in range(len(names)):  # the longest matching tail first
+            found = by_path.get(names[start:])
+            if found is not None and tuple(found[0]) == tuple(x.shape):
+                return found[1]
+        return replicated
 
-    return jax.tree_util.tree_map(place, tree)
+    return jax.tree_util.tree_map_with_path(spec, tree)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

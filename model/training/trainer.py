@@ -21,16 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from model.network.config import ModelConfig
-from model.network.gpt import GPT, count_params
+from model.network.gpt import GPT
+from model.network.params import abstract_model
 from model.processes.mesh import (
     batch_sharding,
     check_batch_divisible,
     data_mesh,
     param_shardings,
-    place_on_mesh,
     put_batch,
+    shardings_like_params,
 )
 from model.quantization.kernels import fake_quant_tree
 from model.training.config import TrainConfig
@@ -93,21 +96,41 @@ def initial_state(model_cfg: ModelConfig, seed: int):
 
 
 class Trainer:
-    """Model + optimizer state on the mesh, the compiled step, evaluation."""
+    """Model + optimizer state on the mesh, the compiled step, evaluation.
 
-    def __init__(self, train_cfg: TrainConfig, model_cfg: ModelConfig):
+    With `abstract=True` nothing is allocated or initialised: params and optimizer state are
+    ShapeDtypeStructs carrying the shardings a real run would give them, so the step and the
+    evaluation can be traced, lowered for another platform (scripts/check_lowering.py) or
+    compiled for XLA's memory analysis at any model size.
+    """
+
+    def __init__(self, train_cfg: TrainConfig, model_cfg: ModelConfig, *, abstract: bool = False):
         self.train_cfg, self.model_cfg = train_cfg, model_cfg
         t = train_cfg
         self.mesh = data_mesh()
         self.micro_batch = t.micro_batch
         check_batch_divisible(self.micro_batch, self.mesh)
         check_batch_divisible(t.eval_rows, self.mesh, "the validation batch (train.eval_batch_size")
-        self.graphdef, params, self.rest = initial_state(model_cfg, t.seed)
-        self.n_params = count_params(nnx.merge(self.graphdef, params, self.rest))
-        shardings = param_shardings(params, self.mesh, t.fsdp)
-        self.params = jax.device_put(params, shardings)
+        if abstract:
+            self.graphdef, params, self.rest = abstract_model(model_cfg)
+        else:
+            self.graphdef, params, self.rest = initial_state(model_cfg, t.seed)
+        self.n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
         self.tx = make_optimizer(t)
-        self.opt_state = place_on_mesh(jax.jit(self.tx.init)(self.params), self.mesh)
+        # Parameters, gradients and optimizer moments are laid out alike (FSDP: all sharded),
+        # the state born that way and kept that way by the step's out_shardings: the step's
+        # outputs match its first inputs, so it compiles once.
+        self.param_shardings = param_shardings(params, self.mesh, t.fsdp)
+        opt_shapes = jax.eval_shape(self.tx.init, params)
+        self.opt_shardings = shardings_like_params(
+            opt_shapes, params, self.param_shardings, self.mesh
+        )
+        if abstract:
+            self.params = _placed_shapes(params, self.param_shardings)
+            self.opt_state = _placed_shapes(opt_shapes, self.opt_shardings)
+        else:
+            self.params = jax.device_put(params, self.param_shardings)
+            self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
         self.batch_sharding = batch_sharding(self.mesh)
         self.train_step = self._compile_step()
         self.eval_step = jax.jit(self._eval_loss)
@@ -156,6 +179,8 @@ class Trainer:
                     micro, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro))
                 )
                 grads = jax.tree_util.tree_map(lambda g: g / n_micro, grads)
+            # FSDP: each device keeps its shard of the gradients (a reduce-scatter).
+            grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             metrics = {"loss": ce.mean(), "grad_norm": optax.tree.norm(grads)}
@@ -163,7 +188,12 @@ class Trainer:
             return params, opt_state, metrics
 
         # Donation lets XLA update params and Adam moments in place.
-        return jax.jit(step, donate_argnums=(0, 1))
+        replicated = NamedSharding(self.mesh, P())
+        return jax.jit(
+            step,
+            donate_argnums=(0, 1),
+            out_shardings=(self.param_shardings, self.opt_shardings, replicated),
+        )
 
     def _eval_loss(self, params, x_BxT, y_BxT):
         model = nnx.merge(self.graphdef, self._weights(params), self.rest)
@@ -175,15 +205,23 @@ class Trainer:
     def batch(self, tokens: np.ndarray, step: int, stream: int = 0, rows: int | None = None):
         """Sequences of `step` on the mesh: the training batch as [grad_accum, micro, T], or
         with `rows`, [1, rows, T] (validation)."""
+        shape = self._batch_shape(rows)
         t = self.train_cfg
-        accum = t.grad_accum if rows is None else 1
-        rows = rows or t.batch_size
-        x, y = sample_batch(tokens, rows, self.model_cfg.block_size, t.seed, step, stream)
-        shape = (accum, rows // accum, x.shape[1])
+        x, y = sample_batch(tokens, shape[0] * shape[1], shape[2], t.seed, step, stream)
         return (
             put_batch(x.reshape(shape), self.batch_sharding),
             put_batch(y.reshape(shape), self.batch_sharding),
         )
+
+    def batch_shapes(self, rows: int | None = None) -> tuple:
+        """`batch`'s (x, y) as ShapeDtypeStructs with their sharding, for tracing."""
+        x = jax.ShapeDtypeStruct(self._batch_shape(rows), jnp.int32, sharding=self.batch_sharding)
+        return x, x
+
+    def _batch_shape(self, rows: int | None) -> tuple[int, int, int]:
+        """[grad_accum, micro-batch, T] for training; [1, rows, T] for `rows` (validation)."""
+        t, block = self.train_cfg, self.model_cfg.block_size
+        return (t.grad_accum, t.micro_batch, block) if rows is None else (1, rows, block)
 
     def evaluate(self, splits: TokenSplits) -> float:
         """Mean validation loss over `eval_steps` fixed batches (the same at every eval)."""
@@ -192,3 +230,10 @@ class Trainer:
             x, y = self.batch(splits.val, i, stream=1, rows=self.train_cfg.eval_rows)
             total = total + self.eval_step(self.params, x[0], y[0])
         return float(total) / self.train_cfg.eval_steps
+
+
+def _placed_shapes(tree, shardings):
+    """ShapeDtypeStructs of `tree`'s leaves, each with its sharding."""
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
