@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+from configs.schema import DEFAULT_CONFIG, resolve_config_path
 from plumbing.cli import OneLineParser, os_error_line, printable, show_debug_log
 from plumbing.progress import clear_line
 
 ROOT = Path(__file__).resolve().parent
 STARTED = time.perf_counter()  # the whole process's time, start-up included, is what counts
-DEFAULT_CONFIG = "shakespeare"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,15 +122,6 @@ SHORTHANDS = {
     "port": "serve.port",
     "api_key": "serve.api_key",
 }
-
-
-def resolve_config_path(name: str | None) -> Path:
-    """A path as given, or a bare name looked up in configs/ (`shakespeare` -> configs/...)."""
-    name = name or DEFAULT_CONFIG
-    path = Path(name)
-    if path.suffix != ".toml" and not path.exists():
-        path = ROOT / "configs" / f"{name}.toml"
-    return path
 
 
 # A dotted config key with a value (train.max_steps=200): where `--input` stops taking files.
@@ -280,6 +271,9 @@ def enable_compilation_cache() -> None:
 
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    # Sharded cuDNN attention (custom_partitioning) puts a process pointer into the module;
+    # left in the cache key, no later process would ever find its program.
+    jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
 
 
 def run(args: argparse.Namespace) -> int:

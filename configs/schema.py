@@ -62,6 +62,19 @@ class Config:
         return self
 
 
+DEFAULT_CONFIG = "shakespeare"
+CONFIG_DIR = Path(__file__).resolve().parent
+
+
+def resolve_config_path(name: str | None) -> Path:
+    """A path as given, or a bare name looked up in configs/ (`shakespeare` -> configs/...)."""
+    name = name or DEFAULT_CONFIG
+    path = Path(name)
+    if path.suffix != ".toml" and not path.exists():
+        path = CONFIG_DIR / f"{name}.toml"
+    return path
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str | tuple[str, Any]] = ()) -> Config:
     """Read a TOML config (or the defaults when `path` is None), apply overrides, validate.
 

@@ -23,6 +23,7 @@ import jax
 
 from configs.schema import Config
 from model.network.config import ModelConfig
+from model.processes.determinism import configure_determinism
 from model.processes.distributed import initialize_from_env, is_primary, wait_for_primary
 from model.rundir.checkpoints import Checkpoints
 from model.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, check_run_dir
@@ -55,6 +56,8 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     # A tracker whose package is missing: one line now, not after the corpus is encoded.
     require_tracker(cfg.train.tracker)
     tokenizer = _run_tokenizer(cfg, run_dir, resume)
+    # XLA flags are read when JAX starts its backend, which nothing has touched yet.
+    configure_determinism(cfg.train.deterministic)
     initialize_from_env()  # several processes: meet the others before JAX starts
     tokenizer_sha = file_sha256(run_dir / TOKENIZER_FILE)
     model_cfg = _model_config(cfg, tokenizer)
@@ -141,13 +144,14 @@ def _starting_weights(trainer: Trainer, checkpoints: Checkpoints, cfg: Config, r
 
 
 def _print_summary(trainer: Trainer, splits: TokenSplits, start_step: int) -> None:
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     qat = trainer.train_cfg.qat_bits
     print(
         f"train: {trainer.n_params / 1e6:.2f}M parameters, {len(splits.train):,} train / "
         f"{len(splits.val):,} val tokens, {jax.device_count()} x {device.device_kind} "
         f"({device.platform}), compute {trainer.model_cfg.dtype}"
         + (f", QAT int{qat}" if qat else "")
+        + (", deterministic GPU kernels" if trainer.train_cfg.deterministic else "")
         + (f"; resuming at step {start_step}" if start_step else ""),
         file=sys.stderr,
     )

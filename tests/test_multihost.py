@@ -170,6 +170,39 @@ def test_two_processes_match_one_and_resume_replays(tmp_path, corpus_file, singl
     assert not list(run_dir.rglob("*.tmp*"))  # no temp files left behind
 
 
+def test_every_process_samples_on_a_device_it_can_address(tmp_path, single_run):
+    """Inference and serving in each process of a multi-process job: process 1 cannot reach
+    jax.devices()[0] (process 0's), so arrays go to its own first device; the tokens are the
+    single process's."""
+    from model.decoding.generate import generate_all
+    from model.rundir.trained import open_trained_run
+
+    tokenizer, model, _ = open_trained_run(single_run).load()
+    reference = generate_all(model, tokenizer.encode("to be or"), max_new_tokens=8, temperature=0)
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *JAX_VARS)}
+    procs = []
+    for i in range(2):
+        env = {
+            **base,
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(i),
+        }
+        log = tmp_path / f"p{i}.log"
+        script = [sys.executable, str(ROOT / "tests" / "multihost_sampling.py"), str(single_run)]
+        with open(log, "w") as f:
+            procs.append(
+                (subprocess.Popen(script, env=env, stdout=f, stderr=subprocess.STDOUT), log)
+            )
+    outputs = [json.loads(out.strip().splitlines()[-1]) for out in finish(procs)]
+    assert sorted(o["process"] for o in outputs) == [0, 1]
+    for out in outputs:
+        assert out["devices"] == 2
+        assert out["tokens"] == reference[0].tolist()
+        assert out["text"] == tokenizer.decode(reference[0].tolist())
+
+
 def test_two_processes_match_one_with_the_modern_recipe(tmp_path, corpus_file, single_run):
     """Muon's orthogonalised updates and the recipe's layers give one process's curve too."""
     one = tokenized_copy(single_run, tmp_path / "one")

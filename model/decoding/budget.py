@@ -42,7 +42,7 @@ def check_memory(
 ) -> None:
     """Raise UsageError (one line) when num_samples would not fit in memory."""
     if available is None:
-        available = available_bytes(jax.devices()[0])
+        available = available_bytes(jax.local_devices()[0])
     if available is None:  # cannot be told: do not refuse
         return
     per_sample = decode_bytes_per_sample(cfg, use_cache)

@@ -118,7 +118,7 @@ def environment() -> dict[str, Any]:
     import flax
     import jaxlib
 
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     return {
         "source": _package_source_sha256(),
         "python": sys.version,

@@ -176,7 +176,7 @@ def _serialize(compiled) -> tuple:
 def _deserialize(stored: Any) -> dict | None:
     """The programs of a cache entry, loaded onto the first device; None if they do not load."""
     try:
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]
         return {
             name: serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, backend=device.client, execution_devices=[device]

@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from model.decoding.sampling import sample_logits
-from model.network.gpt import GPT
+from model.network.config import ModelConfig
+from model.network.gpt import GPT, cache_layout
 
 PAD_ID = -1  # what a stopped sample emits after its stop token
 
@@ -48,28 +49,37 @@ def settings_of(seed, temperature, top_k, top_p, stop_token) -> dict:
 def start_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) -> dict:
     # Committed to the device, like the compiled calls' outputs that later calls receive: an
     # uncommitted first carry would make the same program compile twice (once mid-stream).
-    return jax.device_put(_host_carry(model, prompt, batch, use_cache), jax.devices()[0])
+    # This process's own first device: with several processes, jax.devices()[0] may be another
+    # host's.
+    return jax.device_put(_host_carry(model, prompt, batch, use_cache), jax.local_devices()[0])
+
+
+def carry_layout(cfg: ModelConfig, batch: int, use_cache: bool) -> dict:
+    """The carry's shapes and dtypes (ShapeDtypeStructs), for `batch` samples."""
+    size = cfg.block_size
+    layout = {
+        "ctx": jax.ShapeDtypeStruct((batch, size), np.int32),
+        "pos": jax.ShapeDtypeStruct((), np.int32),
+        "pending": jax.ShapeDtypeStruct((batch,), np.int32),
+        "done": jax.ShapeDtypeStruct((batch,), np.bool_),
+        "step": jax.ShapeDtypeStruct((), np.int32),
+    }
+    if use_cache:
+        # Stale or zero slots are harmless: attention masks every slot past the query.
+        layout["cache"] = cache_layout(cfg, batch)
+    return layout
+
+
+def zeros_like_layout(layout):
+    """Host zeros for every ShapeDtypeStruct of `layout`."""
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), layout)
 
 
 def _host_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) -> dict:
-    size = model.cfg.block_size
-    ctx_S = np.zeros((size,), np.int32)
-    ctx_S[: len(prompt) - 1] = prompt[:-1]
-    carry = {
-        "ctx": np.broadcast_to(ctx_S, (batch, size)).copy(),
-        "pos": np.int32(len(prompt) - 1),
-        "pending": np.full((batch,), prompt[-1], np.int32),
-        "done": np.zeros((batch,), bool),
-        "step": np.int32(0),
-    }
-    if use_cache:
-        shape = (batch, size, model.cfg.n_head, model.cfg.head_dim)
-        dtype = model.cfg.compute_dtype
-        # Stale or zero slots are harmless: attention masks every slot past the query.
-        carry["cache"] = [
-            {"k": np.zeros(shape, dtype), "v": np.zeros(shape, dtype)}
-            for _ in range(model.cfg.n_layer)
-        ]
+    carry = zeros_like_layout(carry_layout(model.cfg, batch, use_cache))
+    carry["ctx"][:, : len(prompt) - 1] = prompt[:-1]
+    carry["pos"] = np.int32(len(prompt) - 1)
+    carry["pending"][:] = prompt[-1]
     return carry
 
 

@@ -31,6 +31,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -40,6 +42,7 @@ from flax import nnx
 
 from model.network.config import ModelConfig
 from model.network.layers import linear
+from model.network.precision import mixed_product_precision
 from model.network.rope import apply_rope
 from plumbing.errors import UsageError
 
@@ -70,8 +73,9 @@ def attend(
     """
     scale = 1.0 / math.sqrt(q_BxTxHxD.shape[-1])
     scores_BxHxTxS = jnp.einsum(
-        "bthd,bshd->bhts", q_BxTxHxD, k_BxSxHxD, preferred_element_type=jnp.float32
-    )
+        "bthd,bshd->bhts", q_BxTxHxD, k_BxSxHxD, preferred_element_type=jnp.float32,
+        precision=mixed_product_precision(q_BxTxHxD.dtype),  # bf16 in the backward too
+    )  # fmt: skip
     scores_BxHxTxS = jnp.where(mask_TxS[None, None], scores_BxHxTxS * scale, _MASKED)
     probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1)
     if dropout is not None:
@@ -127,11 +131,37 @@ def choose_implementation(
     return "cudnn" if cudnn_ok else "xla"
 
 
-@functools.cache
+# The host a trace is made for, when it is not this one (scripts/check_lowering.py traces the
+# programs an H100 would run, on a CPU); None: the default device says.
+_traced_for: contextvars.ContextVar[tuple[str, tuple[int, int] | None] | None] = (
+    contextvars.ContextVar("traced_for", default=None)
+)
+
+
 def backend_facts() -> tuple[str, tuple[int, int] | None]:
-    """(platform, compute capability) of the default device: ("cuda", (9, 0)) on an H100,
-    ("cpu", None) here. Read once, at trace time."""
-    device = jax.devices()[0]
+    """(platform, compute capability) of the host the model is traced for: the default
+    device's, ("cuda", (9, 0)) on an H100, ("cpu", None) here; or what `traced_for` says."""
+    override = _traced_for.get()
+    return override if override is not None else _device_facts()
+
+
+@contextlib.contextmanager
+def traced_for(platform: str, compute_capability: tuple[int, int] | None = None):
+    """Choose attention as a `platform` host would (e.g. "cuda", (9, 0)) while tracing here.
+
+    Lowering for another platform (`lower(lowering_platforms=...)`) changes the target of the
+    compiled code, not the choices made in Python at trace time: this changes those."""
+    token = _traced_for.set((platform, compute_capability))
+    try:
+        yield
+    finally:
+        _traced_for.reset(token)
+
+
+@functools.cache
+def _device_facts() -> tuple[str, tuple[int, int] | None]:
+    """The default device's facts, read once."""
+    device = jax.local_devices()[0]
     if device.platform != "gpu":
         return device.platform, None
     version = str(getattr(device.client, "platform_version", "")).lower()

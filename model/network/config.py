@@ -24,9 +24,10 @@ POSITIONS = ("learned", "rope")
 DTYPES = ("float32", "bfloat16")  # names only: configs load without importing JAX
 GELUS = ("exact", "tanh")
 ATTENTIONS = ("auto", "xla", "cudnn", "reference")
+MATMUL_PRECISIONS = ("default", "high", "highest")  # model/network/precision.py
 # Fields that choose how the same function is computed, not which function: a checkpoint
 # trained with one value runs with any other (model/training/resume.py `check_compatible`).
-IMPLEMENTATION_FIELDS = ("dropout", "dtype", "attention")
+IMPLEMENTATION_FIELDS = ("dropout", "dtype", "attention", "matmul_precision")
 
 # Plain upper bounds, far above any model this project trains, that keep a typo such as
 # n_layer=1e30 from hanging construction (model/training/memory.py has the fine check).
@@ -78,6 +79,11 @@ class ModelConfig:
     # jax.nn.dot_product_attention) | "xla" | "cudnn" | "reference" (our einsum form).
     # Same values whichever runs (model/network/attention.py); not part of a checkpoint's identity.
     attention: str = "auto"
+    # What a float32 matrix product computes on GPU/TPU: "default" (TF32 on NVIDIA Ampere and
+    # later, one bf16 pass on TPU, float32 on CPU) | "high" (TPU: three bf16 passes) |
+    # "highest" (float32 everywhere, slower). bf16 products are bf16 x bf16 with float32
+    # accumulation whatever this says (model/network/precision.py).
+    matmul_precision: str = "default"
 
     @property
     def head_dim(self) -> int:
@@ -158,6 +164,7 @@ class ModelConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("gelu", self.gelu, GELUS)
         _check_choice("attention", self.attention, ATTENTIONS)
+        _check_choice("matmul_precision", self.matmul_precision, MATMUL_PRECISIONS)
         if self.attention == "cudnn" and self.dtype != "bfloat16":
             raise UsageError(
                 "model.attention='cudnn' needs model.dtype='bfloat16' (cuDNN flash attention "

@@ -27,6 +27,7 @@ from flax import nnx
 from model.network.attention import CausalSelfAttention, LayerCache
 from model.network.config import ModelConfig
 from model.network.layers import make_mlp, make_norm
+from model.network.precision import matmul_precision, mixed_product_precision
 from plumbing.errors import UsageError
 
 KVCache = list[LayerCache]  # one {"k", "v"} dict per layer, each [B, S, H, Dh]
@@ -130,14 +131,18 @@ class GPT(nnx.Module):
         With model.logit_softcap c > 0, logits are c * tanh(logits / c): within (-c, c).
         """
         if self.lm_head is not None:
-            kernel_DxV = self.lm_head.kernel[...].astype(x_BxTxD.dtype)
-            logits = jnp.einsum(
-                "btd,dv->btv", x_BxTxD, kernel_DxV, preferred_element_type=jnp.float32
-            )
+            weight, spec = self.lm_head.kernel[...], "btd,dv->btv"  # [D, V]
         else:
-            embedding_VxD = self.wte.embedding[...].astype(x_BxTxD.dtype)
+            weight, spec = self.wte.embedding[...], "btd,vd->btv"  # [V, D]
+        # bf16: bf16 operands, float32 accumulation, also in the backward pass, which meets the
+        # float32 gradient of the logits (model/network/precision.py).
+        with matmul_precision(self.cfg.matmul_precision):
             logits = jnp.einsum(
-                "btd,vd->btv", x_BxTxD, embedding_VxD, preferred_element_type=jnp.float32
+                spec,
+                x_BxTxD,
+                weight.astype(x_BxTxD.dtype),
+                preferred_element_type=jnp.float32,
+                precision=mixed_product_precision(x_BxTxD.dtype),
             )
         cap = self.cfg.logit_softcap
         return cap * jnp.tanh(logits / cap) if cap > 0 else logits
@@ -153,12 +158,9 @@ class GPT(nnx.Module):
                 f"cache length {max_len} must be in 1..block_size={self.cfg.block_size} "
                 "with learned positions"
             )
-        shape = (batch_size, max_len, self.cfg.n_head, self.cfg.head_dim)
-        dtype = self.cfg.compute_dtype
-        return [
-            {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-            for _ in range(self.cfg.n_layer)
-        ]
+        return jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype), cache_layout(self.cfg, batch_size, max_len)
+        )
 
     def decode(
         self, tokens_BxT: jax.Array, cache: KVCache, pos: jax.Array | int, *, last_only=False
@@ -202,6 +204,17 @@ class GPT(nnx.Module):
         rngs: nnx.Rngs | None,
     ) -> tuple[jax.Array, KVCache | None, dict[str, jax.Array]]:
         """Hidden states after the final norm [B, T, D], the updated cache, aux losses."""
+        with matmul_precision(self.cfg.matmul_precision):
+            return self._blocks(tokens_BxT, positions_T, cache, deterministic, rngs)
+
+    def _blocks(
+        self,
+        tokens_BxT: jax.Array,
+        positions_T: jax.Array,
+        cache: KVCache | None,
+        deterministic: bool,
+        rngs: nnx.Rngs | None,
+    ) -> tuple[jax.Array, KVCache | None, dict[str, jax.Array]]:
         x_BxTxD = self.wte(tokens_BxT)
         if self.wpe is not None:
             x_BxTxD = x_BxTxD + self.wpe(positions_T)[None]
@@ -227,6 +240,15 @@ class GPT(nnx.Module):
                 aux[name] = aux.get(name, 0.0) + value
 
         return self.ln_f(x_BxTxD), new_cache, aux
+
+
+def cache_layout(cfg: ModelConfig, batch_size: int, max_len: int | None = None) -> KVCache:
+    """The KV cache's shapes and dtype (ShapeDtypeStructs): per layer {"k", "v"} of
+    [B, max_len (default block_size), H, Dh] in the compute dtype. The one place the layout
+    is written; every cache (decoding, the serving batch, abstract programs) is built from it."""
+    shape = (batch_size, max_len or cfg.block_size, cfg.n_head, cfg.head_dim)
+    leaf = jax.ShapeDtypeStruct(shape, cfg.compute_dtype)
+    return [{"k": leaf, "v": leaf} for _ in range(cfg.n_layer)]
 
 
 def count_params(model: nnx.Module) -> int:

@@ -46,7 +46,7 @@ def abstract_model(cfg: ModelConfig, cache: ProgramCache | None = None) -> tuple
         params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         if cache is not None and not jax.tree_util.tree_leaves(rest):
             cache.put("abstract-model", arguments, (graphdef, params, rest))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     params = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params
     )

@@ -32,28 +32,24 @@ import numpy as np
 from flax import nnx
 
 from model.decoding.sampling import sample_logits
-from model.decoding.steps import PAD_ID, run_steps
+from model.decoding.steps import PAD_ID, carry_layout, run_steps, zeros_like_layout
+from model.network.config import ModelConfig
 from model.network.gpt import GPT
 
 ROW_FIELDS = ("cache", "ctx", "pending", "done")  # [1, ...] in a row carry, [B, ...] here
 
 
 def empty_batch(model: GPT, rows: int) -> dict:
-    """A batch of `rows` free slots, committed to the device (see model.decoding.steps)."""
-    cfg = model.cfg
-    shape = (rows, cfg.block_size, cfg.n_head, cfg.head_dim)
-    batch = {
-        "cache": [
-            {"k": np.zeros(shape, cfg.compute_dtype), "v": np.zeros(shape, cfg.compute_dtype)}
-            for _ in range(cfg.n_layer)
-        ],
-        "ctx": np.zeros((rows, cfg.block_size), np.int32),
-        "pos": np.zeros((rows,), np.int32),
-        "pending": np.zeros((rows,), np.int32),
-        "done": np.zeros((rows,), bool),
-        "step": np.zeros((rows,), np.int32),
-    }
-    return jax.device_put(batch, jax.devices()[0])
+    """A batch of `rows` free slots, committed to this process's first device (see
+    model.decoding.steps)."""
+    return jax.device_put(zeros_like_layout(batch_layout(model.cfg, rows)), jax.local_devices()[0])
+
+
+def batch_layout(cfg: ModelConfig, rows: int) -> dict:
+    """The batch's shapes and dtypes: a carry of `rows` samples whose position and step are
+    per row."""
+    per_row = jax.ShapeDtypeStruct((rows,), np.int32)
+    return {**carry_layout(cfg, rows, use_cache=True), "pos": per_row, "step": per_row}
 
 
 def batch_settings(rows: int) -> dict[str, np.ndarray]:

@@ -48,6 +48,9 @@ class TrainConfig:
     qat_bits: int = 0  # quantization-aware training: 0 = off, 8 or 4
     quant_group_size: int = 64  # int4: input rows per scale (QAT, export); last group may be short
     fsdp: bool = False  # shard parameters over the data axis too (ZeRO-3 style)
+    # GPU: deterministic kernels (XLA's --xla_gpu_deterministic_ops), the same bits on every
+    # run, at a cost in speed; CPUs and TPUs are deterministic already.
+    deterministic: bool = False
     # On CPU: data-parallel devices, 0 = one per core (model/processes/cpu_devices.py).
     cpu_devices: int = 0
     # Where metrics go besides metrics.jsonl: "none" | "tensorboard" (RUN/tensorboard/) |

@@ -70,7 +70,7 @@ class TrainingLoop:
         self.run_dir, self.meta = Path(run_dir), meta
         self.tokens_per_step = self.cfg.batch_size * trainer.model_cfg.block_size
         self.flops_per_step = flops_per_token(trainer.model_cfg) * self.tokens_per_step
-        self.peak = peak_flops(jax.devices()[0].device_kind)
+        self.peak = peak_flops(jax.local_devices()[0].device_kind)
         resume_step = start_step or None
         tracker = open_tracker(self.cfg.tracker, self.run_dir, meta["config"], resume_step)
         self.log = MetricsLog(self.run_dir, resume_step, tracker)

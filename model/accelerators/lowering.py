@@ -1,0 +1,422 @@
+"""Every compiled program, lowered for cuda, rocm and tpu here, and what the lowered text holds.
+
+The programs are the project's own jitted functions, traced with abstract arguments (shapes,
+dtypes and shardings; nothing allocated, so GPT-2 small costs what a tiny model does):
+
+    train       the train step (the config's optimizer and variants: the other optimizer,
+                gradient accumulation, mixture of experts, int4 QAT; with several devices each
+                data-parallel and FSDP) and the evaluation
+    decode      --inference's refill (prompt prefill and context slides), cached chunk and
+                uncached chunk
+    serve       the server's prefill_row, put_row, take_row and batch_chunk
+
+Each is traced as a host of the platform would trace it (model/accelerators/gpu_host.py: on
+cuda in bf16 the model picks cuDNN flash attention) and lowered with
+`traced.lower(lowering_platforms=(platform,))`. The StableHLO text is then checked:
+  - no float64 (TPUs have none; GPUs run it at a fraction of the speed);
+  - no host callbacks (a Python call from the device program), except the custom
+    partitioning callback of sharded cuDNN attention, which XLA's partitioner calls at compile
+    time to shard JAX's cuDNN rule;
+  - cuDNN's fused attention (`__cudnn$fmha...`, forward and backward) exactly where the model
+    should pick it, and nowhere else;
+  - in bf16, no product of a float32 and a bf16 operand without the bf16 algorithm
+    (model/network/precision.py): that product would run in float32 (checked on the traced
+    program, before lowering hides it behind an upcast).
+
+    >>> results = lower_all(load_config("configs/shakespeare.toml"), ("tpu",))  # doctest: +SKIP
+    >>> all(r.ok for r in results)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from model.accelerators.gpu_host import HOSTS, traced_as
+from model.decoding.programs import DEFAULT_CHUNK_SIZE
+from model.decoding.steps import (
+    cached_chunk,
+    carry_layout,
+    refill,
+    settings_of,
+    uncached_chunk,
+    window_size,
+)
+from model.network.attention import choose_implementation
+from model.network.config import ModelConfig
+from model.network.gpt import GPT
+from model.serving.batch import (
+    batch_chunk,
+    batch_layout,
+    batch_settings,
+    prefill_row,
+    put_row,
+    take_row,
+)
+from model.training.trainer import Trainer
+from plumbing.errors import UsageError
+
+PLATFORMS = ("cuda", "rocm", "tpu")
+DTYPES = ("float32", "bfloat16")
+# The train-step variants lowered besides the config itself: name -> (train, model) overrides.
+VARIANTS: dict[str, tuple[dict, dict]] = {
+    "adamw": ({"optimizer": "adamw"}, {}),
+    "muon": ({"optimizer": "muon"}, {}),
+    "accumulation": ({"grad_accum": 2}, {}),
+    "moe": ({}, {"moe_experts": 8, "moe_top_k": 2}),
+    "qat int4": ({"qat_bits": 4}, {}),
+}
+CUDNN_CALL = "__cudnn$fmha"
+# custom_call targets that are not computation: sharding annotations of the partitioner.
+SHARDING_CALLS = ("Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape")
+CUSTOM_PARTITIONING = "CustomSPMDPartitioning"
+
+
+@dataclass(frozen=True)
+class Program:
+    """One compiled program: `trace()` traces it with abstract arguments. `full_attention`:
+    its attention runs over whole sequences (training, evaluation, the uncached reference),
+    where cuDNN can run, rather than over the KV cache."""
+
+    group: str
+    name: str
+    trace: Callable[[], Any]
+    full_attention: bool
+    training: bool = False
+
+
+@dataclass
+class Lowering:
+    """One program lowered for one platform in one compute dtype."""
+
+    program: str
+    platform: str
+    dtype: str
+    attention: str = ""  # what the model picked: "xla", "cudnn", "reference"
+    problems: list[str] = field(default_factory=list)
+    custom_calls: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+# -- the programs ---------------------------------------------------------------------------
+
+
+def training_programs(cfg, devices: int, variants: Iterable[str] = VARIANTS) -> list[Program]:
+    """The train step for the config and each variant (DP and FSDP with several devices), and
+    the evaluation."""
+    programs = []
+    layouts = [False, True] if devices > 1 else [cfg.train.fsdp]
+    runs = {"": ({}, {})}
+    for name in variants:
+        train_over, model_over = VARIANTS[name]
+        if _differs(cfg, train_over, model_over):
+            runs[name] = (train_over, model_over)
+    for name, (train_over, model_over) in runs.items():
+        train_cfg, model_cfg = _variant(cfg, devices, train_over, model_over)
+        for fsdp in layouts:
+            label = ", ".join(x for x in (name or train_cfg.optimizer, "fsdp" * fsdp) if x)
+            programs.append(
+                Program(
+                    "train",
+                    f"train step ({label})",
+                    _train_step_tracer(train_cfg, model_cfg, fsdp),
+                    True,
+                    True,
+                )
+            )
+    train_cfg, model_cfg = _variant(cfg, devices, {}, {})
+    programs.append(Program("train", "evaluation", _eval_tracer(train_cfg, model_cfg), True))
+    return programs
+
+
+def _differs(cfg, train_over: dict, model_over: dict) -> bool:
+    current = {**{k: getattr(cfg.train, k) for k in train_over}}
+    current.update({k: getattr(cfg.model, k) for k in model_over})
+    return current != {**train_over, **model_over}
+
+
+def _variant(cfg, devices: int, train_over: dict, model_over: dict):
+    """(train config, model config) of a variant; the batch rounded up so that every device
+    gets whole micro-batch rows."""
+    train_cfg = dataclasses.replace(cfg.train, eval_batch_size=0, **train_over)
+    step = devices * train_cfg.grad_accum
+    batch = -(-train_cfg.batch_size // step) * step
+    train_cfg = dataclasses.replace(train_cfg, batch_size=batch).validate()
+    model_cfg = dataclasses.replace(cfg.model, **model_over).validate()
+    return train_cfg, model_cfg
+
+
+def _train_step_tracer(train_cfg, model_cfg: ModelConfig, fsdp: bool) -> Callable:
+    def trace():
+        trainer = Trainer(dataclasses.replace(train_cfg, fsdp=fsdp), model_cfg, abstract=True)
+        x, y = trainer.batch_shapes()
+        step = jax.ShapeDtypeStruct((), jnp.int32)
+        return trainer.train_step.trace(trainer.params, trainer.opt_state, x, y, step)
+
+    return trace
+
+
+def _eval_tracer(train_cfg, model_cfg: ModelConfig) -> Callable:
+    def trace():
+        trainer = Trainer(train_cfg, model_cfg, abstract=True)
+        rows = (train_cfg.eval_rows, model_cfg.block_size)
+        x = jax.ShapeDtypeStruct(rows, jnp.int32, sharding=NamedSharding(trainer.mesh, P("data")))
+        return trainer.eval_step.trace(trainer.params, x, x)
+
+    return trace
+
+
+def decode_programs(cfg) -> list[Program]:
+    """--inference's programs for the config's sample count (refill also prefills prompts)."""
+    model_cfg, samples = cfg.model.validate(), cfg.sample.num_samples
+
+    def tracer(program, use_cache: bool, **static):
+        def trace():
+            graphdef, state = _abstract_model(model_cfg)
+            carry = _on_device(carry_layout(model_cfg, samples, use_cache))
+            scalar = _on_device(jax.ShapeDtypeStruct((), jnp.int32))
+            if program is refill:
+                return refill.trace(graphdef, state, carry, scalar, scalar, scalar)
+            settings = _on_device(settings_of(0, 1.0, 0, 1.0, None))
+            return program.trace(graphdef, state, carry, settings, scalar, **static)
+
+        return trace
+
+    chunk = {"chunk_size": DEFAULT_CHUNK_SIZE}
+    return [
+        Program("decode", "refill (prefill, slides)", tracer(refill, True), False),
+        Program("decode", "cached chunk", tracer(cached_chunk, True, **chunk), False),
+        Program("decode", "uncached chunk", tracer(uncached_chunk, False, **chunk), True),
+    ]
+
+
+def serving_programs(cfg) -> list[Program]:
+    """The server's programs for serve.batch_size rows."""
+    model_cfg, rows = cfg.model.validate(), cfg.serve.batch_size
+
+    def tracer(name: str):
+        def trace():
+            graphdef, state = _abstract_model(model_cfg)
+            batch = _on_device(batch_layout(model_cfg, rows))
+            row = _on_device(carry_layout(model_cfg, 1, use_cache=True))
+            scalar = _on_device(jax.ShapeDtypeStruct((), jnp.int32))
+            if name == "prefill_row":
+                width = window_size(model_cfg.block_size)
+                return prefill_row.trace(graphdef, state, row, scalar, width=width)
+            if name == "put_row":
+                return put_row.trace(batch, row, scalar)
+            if name == "take_row":
+                return take_row.trace(batch, scalar)
+            settings = _on_device(batch_settings(rows))
+            active = _on_device(jax.ShapeDtypeStruct((rows,), jnp.bool_))
+            return batch_chunk.trace(
+                graphdef, state, batch, settings, active, scalar,
+                chunk_size=cfg.serve.chunk_steps, rows=rows,
+            )  # fmt: skip
+
+        return trace
+
+    names = ("prefill_row", "put_row", "take_row", "batch_chunk")
+    return [Program("serve", name, tracer(name), False) for name in names]
+
+
+@functools.lru_cache(maxsize=4)
+def _abstract_model(model_cfg: ModelConfig):
+    """(graphdef, state) of a GPT as shapes on this process's first device (the same for every
+    host, so kept for the next program)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
+    return graphdef, _on_device(state)
+
+
+def _on_device(tree):
+    """Shapes of `tree`'s leaves (arrays, numpy scalars or shapes) on this process's first
+    device, where --inference and --serve put everything."""
+    device = SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), tree)
+
+
+# -- lowering and what the text holds ---------------------------------------------------------
+
+
+def lower_all(
+    cfg,
+    platforms: Iterable[str] = PLATFORMS,
+    dtypes: Iterable[str] = DTYPES,
+    groups: Iterable[str] = ("train", "decode", "serve"),
+    variants: Iterable[str] = VARIANTS,
+    on_result: Callable[[Lowering], None] | None = None,
+) -> list[Lowering]:
+    """Every program of `cfg` (its vocabulary filled in) lowered for each platform and
+    compute dtype; dtypes the config cannot take (cuDNN attention in float32) are left out."""
+    results = []
+    for dtype in dtypes:
+        try:
+            dtype_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+            dtype_cfg.model.validate()
+        except UsageError:
+            continue
+        for program in _programs(dtype_cfg, groups, variants):
+            for result in lower_program(program, platforms, dtype_cfg.model):
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
+    return results
+
+
+def _programs(cfg, groups: Iterable[str], variants: Iterable[str]) -> list[Program]:
+    programs = []
+    if "train" in groups:
+        programs += training_programs(cfg, jax.device_count(), variants)
+    if "decode" in groups:
+        programs += decode_programs(cfg)
+    if "serve" in groups:
+        programs += serving_programs(cfg)
+    return programs
+
+
+def lower_program(
+    program: Program, platforms: Iterable[str], model_cfg: ModelConfig
+) -> list[Lowering]:
+    """`program` traced as each platform's host and lowered for it, then checked. Platforms
+    whose hosts make the same choices share one trace (tracing is most of the cost)."""
+    results, by_attention = [], {}
+    for platform in platforms:
+        result = Lowering(program.name, platform, model_cfg.dtype)
+        results.append(result)
+        try:
+            result.attention = expected_attention(program, platform, model_cfg)
+        except UsageError:  # model.attention=cudnn off an NVIDIA GPU: refused, by design
+            result.attention = "n/a"
+            continue
+        by_attention.setdefault(result.attention, []).append(result)
+    for attention, group in by_attention.items():
+        try:
+            # jit keeps traces by argument shapes, not by the host traced for: start afresh.
+            jax.clear_caches()
+            with traced_as(group[0].platform):
+                traced = program.trace()
+        except Exception as err:  # any failure to trace is what this check reports
+            for result in group:
+                result.problems.append(f"does not trace: {_describe(err)}")
+            continue
+        mixed = mixed_products(traced.jaxpr) if model_cfg.dtype == "bfloat16" else []
+        for result in group:
+            if mixed:
+                result.problems.append(
+                    f"{len(mixed)} float32 x bf16 products would run in float32, e.g. {mixed[0]}"
+                )
+            try:
+                text = traced.lower(lowering_platforms=(result.platform,)).as_text()
+                result.problems += inspect_text(text, attention == "cudnn")
+                result.custom_calls = sorted(set(custom_call_targets(text)))
+            except Exception as err:  # likewise for lowering
+                result.problems.append(f"does not lower: {_describe(err)}")
+    return results
+
+
+def expected_attention(program: Program, platform: str, model_cfg: ModelConfig) -> str:
+    """What the model's own choice (model/network/attention.py) picks on a `platform` host;
+    UsageError where it refuses (model.attention = "cudnn" off an NVIDIA GPU)."""
+    host_platform, capability = HOSTS[platform]
+    return choose_implementation(
+        model_cfg.attention,
+        platform=host_platform,
+        compute_capability=capability,
+        dtype=model_cfg.dtype,
+        head_dim=model_cfg.head_dim,
+        cached=not program.full_attention,
+        dropout=program.training and model_cfg.dropout > 0,
+    )
+
+
+def inspect_text(text: str, cudnn_expected: bool) -> list[str]:
+    """What is wrong with a lowered program's StableHLO text (empty: nothing)."""
+    problems = []
+    if re.search(r"[<x]f64>", text):
+        problems.append("float64 values in the program")
+    targets = custom_call_targets(text)
+    callbacks = sorted({t for t in targets if "callback" in t.lower()})
+    if callbacks:
+        problems.append(f"host callbacks: {', '.join(callbacks)}")
+    partitioned = custom_partitioning_rules(text)
+    foreign = sorted({rule for rule in partitioned if not _is_cudnn_rule(rule)})
+    if foreign:
+        problems.append(f"host callbacks of custom partitioning: {', '.join(foreign)}")
+    has_cudnn = any(t.startswith(CUDNN_CALL) for t in targets) or any(
+        _is_cudnn_rule(rule) for rule in partitioned
+    )
+    if cudnn_expected and not has_cudnn:
+        problems.append("cuDNN attention expected (bf16 on an H100) but not in the program")
+    if has_cudnn and not cudnn_expected:
+        problems.append("cuDNN attention where the model should not pick it")
+    return problems
+
+
+def custom_call_targets(text: str) -> list[str]:
+    return re.findall(r"custom_call @([\w$.\-]+)", text)
+
+
+def custom_partitioning_rules(text: str) -> list[str]:
+    """The partition rule (module.function) behind each custom-partitioning call, as JAX
+    registered it while lowering ("unknown" when it cannot be found)."""
+    from jax._src import custom_partitioning
+
+    rules = []
+    pattern = CUSTOM_PARTITIONING + r"\(.*?backend_config = \"(\d+)\""
+    for key in re.findall(pattern, text):
+        info = custom_partitioning._sharding_callbacks.get(key.encode())
+        partition = getattr(info, "partition", None)
+        name = getattr(partition, "__qualname__", None) or "unknown"
+        rules.append(f"{getattr(partition, '__module__', '?')}.{name}")
+    return rules
+
+
+def _is_cudnn_rule(rule: str) -> bool:
+    return "cudnn" in rule and "attention" in rule
+
+
+def mixed_products(jaxpr) -> list[str]:
+    """Matrix products of the traced program (sub-programs included) that multiply a float32
+    operand by a bf16 one without the bf16 algorithm: XLA upcasts the bf16 side and runs them
+    in float32 (on GPU; TPUs may keep them mixed). Checked on the jaxpr, where they are still
+    mixed, rather than on the lowered text, where the upcast hides them."""
+    found = []
+    for eqn in _equations(jaxpr):
+        if eqn.primitive.name != "dot_general":
+            continue
+        left, right = (str(v.aval.dtype) for v in eqn.invars)
+        precision = eqn.params.get("precision")
+        if left != right and not isinstance(precision, jax.lax.DotAlgorithmPreset):
+            shapes = " x ".join(f"{v.aval.dtype}{list(v.aval.shape)}" for v in eqn.invars)
+            found.append(shapes)
+    return found
+
+
+def _equations(jaxpr):
+    """Every equation of a (closed) jaxpr and of the jaxprs in its equations' parameters."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                    yield from _equations(sub)
+
+
+def _describe(err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {first}"
