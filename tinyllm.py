@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import re
 import sys
@@ -25,7 +24,14 @@ import time
 from pathlib import Path
 
 from configs.schema import DEFAULT_CONFIG, resolve_config_path
-from plumbing.cli import OneLineParser, os_error_line, printable, show_debug_log
+from plumbing.cli import (
+    OneLineParser,
+    is_out_of_memory,
+    os_error_line,
+    printable,
+    quiet_background_errors,
+    show_debug_log,
+)
 from plumbing.progress import clear_line
 
 ROOT = Path(__file__).resolve().parent
@@ -95,6 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", dest="api_key", help="require Authorization: Bearer KEY (or TINYLLM_API_KEY)"
     )
 
+    plan = p.add_argument_group("plan (what training and serving cost, before any compiling)")
+    plan.add_argument(
+        "--plan", action="store_true", help="print memory, FLOPs and step time on --device"
+    )
+    plan.add_argument(
+        "--device", help="h100-sxm, h100-pcie, h200, a100-40gb, a100-80gb, l4, a10, tpu-v4, "
+        "tpu-v5e, tpu-v5p, tpu-v6e or cpu (default: this machine's)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--devices", type=int, help="how many of them (default 1; cpu: as --train would use)"
+    )
+    plan.add_argument("--json", action="store_true", help="the plan as one JSON object")
+
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return p
 
@@ -153,8 +172,10 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     problem = split_list_overrides(args)
     if problem:
         return problem
-    if not (args.tokenize or args.train or args.inference or args.serve):
-        return "choose at least one stage: --tokenize, --train, --inference, --serve"
+    if not (args.tokenize or args.train or args.inference or args.serve or args.plan):
+        return "choose at least one stage: --tokenize, --train, --inference, --serve (or --plan)"
+    if (args.device or args.devices or args.json) and not args.plan:
+        return "--device, --devices and --json go with --plan"
     for item in args.overrides:
         if "=" not in item:
             return f"unexpected argument {item!r}: overrides are key=value"
@@ -218,33 +239,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def is_out_of_memory(err: Exception) -> bool:
-    """An XLA allocation failure (jaxlib's XlaRuntimeError, RESOURCE_EXHAUSTED), by name so
-    that this file need not import JAX."""
-    names = {cls.__name__ for cls in type(err).__mro__}
-    return bool(names & {"XlaRuntimeError", "JaxRuntimeError"}) and (
-        "RESOURCE_EXHAUSTED" in str(err)
-    )
-
-
-def quiet_background_errors() -> None:
-    """A failed background checkpoint write (a full disk) reaches the CLI as one error line
-    (model.rundir.checkpoints), but orbax first logs it from its threads as absl and asyncio ERROR
-    lines with tracebacks, and its closed event loops report "Event loop is closed" as
-    unraisable exceptions. Silence those echoes; every other exception keeps its traceback."""
-    for name in ("absl", "asyncio"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        value = unraisable.exc_value
-        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-            return
-        previous(unraisable)
-
-    sys.unraisablehook = hook
-
-
 def compilation_cache_folder() -> Path | None:
     """Where compiled programs are kept: TINYLLM_XLA_CACHE (empty string: nowhere), by
     default ~/.cache/tinyllm/xla; None when it is off or cannot be created."""
@@ -289,6 +283,12 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
     from model.processes.distributed import check_single_process_stages, multi_process_requested
 
+    if args.plan:  # before anything else: what the stages that follow will cost
+        from model.plan_stage import run_plan
+
+        run_plan(cfg, run_dir, args.device, args.devices, args.json)
+        if not (args.tokenize or args.train or args.inference or args.serve):
+            return 0
     check_single_process_stages(args.tokenize, args.inference or args.serve)
     # Optional packages a later stage needs: refused before an earlier stage does any work.
     if args.train:

@@ -3,6 +3,7 @@
     train_stage.py      --train: the run's tokenizer and corpus -> trained checkpoints
     inference_stage.py  --inference: a trained run -> text streamed to stdout
     serve_stage.py      --serve: a trained run -> an OpenAI-compatible HTTP server
+    plan_stage.py       --plan: what a config costs on a device, before anything compiles
     network/            the GPT: config, embeddings, attention, MLPs, mixture of experts
     training/           train settings, token cache, compiled step, loop, metrics, resume
     decoding/           sample settings, KV-cache decoding, its compiled programs and cache
@@ -11,6 +12,7 @@
     quantization/       int8/int4 weights: the math, the quantized file, quantizing a run
     interop/            Hugging Face GPT-2 checkpoints in and out
     serving/            the HTTP server: continuous batching, OpenAI's API, the playground
+    accelerators/       GPUs and TPUs from a CPU: the device table, the plan, lowering checks
 
 Example:
     >>> from flax import nnx

@@ -62,7 +62,7 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     tokenizer_sha = file_sha256(run_dir / TOKENIZER_FILE)
     model_cfg = _model_config(cfg, tokenizer)
     # A model too big for this machine: one line now, not an out-of-memory traceback later.
-    check_training_memory(model_cfg, cfg.train.micro_batch, cfg.train.fsdp)
+    check_training_memory(model_cfg, cfg.train)
     checkpoints = Checkpoints(run_dir)
     try:
         if is_primary():  # what a killed run left: orbax temp dirs, cache temp files

@@ -89,3 +89,30 @@ def one_line_errors(name: str, debug: bool = False) -> Iterator[None]:
         line = str(err) if isinstance(err, UsageError) else os_error_line(err)
         sys.stderr.write(f"{name}: error: {printable(line)}\n")
         raise SystemExit(2) from None
+
+
+def is_out_of_memory(err: Exception) -> bool:
+    """An XLA allocation failure (jaxlib's XlaRuntimeError, RESOURCE_EXHAUSTED), by name so
+    that this file need not import JAX."""
+    names = {cls.__name__ for cls in type(err).__mro__}
+    return bool(names & {"XlaRuntimeError", "JaxRuntimeError"}) and (
+        "RESOURCE_EXHAUSTED" in str(err)
+    )
+
+
+def quiet_background_errors() -> None:
+    """A failed background checkpoint write (a full disk) reaches the CLI as one error line
+    (model.rundir.checkpoints), but orbax first logs it from its threads as absl and asyncio ERROR
+    lines with tracebacks, and its closed event loops report "Event loop is closed" as
+    unraisable exceptions. Silence those echoes; every other exception keeps its traceback."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook

@@ -104,11 +104,12 @@ def test_both_stages_respect_a_containers_limit(tight_container):
     refuses what would fit on the host but not in the container."""
     from model.decoding.budget import check_memory
     from model.network.config import ModelConfig
+    from model.training.config import TrainConfig
     from model.training.memory import check_training_memory
 
     cfg = ModelConfig(vocab_size=50_000, block_size=1024, n_layer=2, n_head=4, n_embd=256)
     with pytest.raises(UsageError, match="of available memory"):
-        check_training_memory(cfg, batch_rows=8)
+        check_training_memory(cfg, TrainConfig(batch_size=8))
     with pytest.raises(UsageError, match="of memory available: use at most"):
         check_memory(cfg, num_samples=64, use_cache=True)
     check_memory(cfg, num_samples=1, use_cache=True)  # one sample fits: no error

@@ -62,9 +62,15 @@ def test_resume_replays_the_uninterrupted_run(tmp_path, corpus_file, recipe):
     assert (straight / "loss.png").exists() and (straight / "config.json").exists()
 
 
-def test_outputs_and_metrics_fields(tmp_path, corpus_file):
-    cfg, run_dir = tokenized_run(tmp_path, corpus_file, "train.max_steps=4")
+def test_outputs_and_metrics_fields(tmp_path, corpus_file, monkeypatch, capsys):
+    # train.deterministic: XLA's flag is set before JAX's backend would read it (a no-op on CPU).
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    cfg, run_dir = tokenized_run(
+        tmp_path, corpus_file, "train.max_steps=4", "train.deterministic=true"
+    )
     record = run_train(cfg, run_dir)
+    assert "--xla_gpu_deterministic_ops=true" in os.environ["XLA_FLAGS"].split()
+    assert "deterministic GPU kernels" in capsys.readouterr().err
     assert record["val_bpb"] > 0 and np.isfinite(record["val_loss"])
     first = read_metrics(run_dir)[0]
     assert {"step", "train_loss", "tokens_per_sec", "elapsed_s"} <= set(first)

@@ -27,6 +27,7 @@ from model.network.attention import backend_facts, traced_for
 # What each platform's host reports to the model; cuda: an H100 (Hopper, compute capability
 # 9.0), the GPU the project's bf16 configs are sized for.
 HOSTS: dict[str, tuple[str, tuple[int, int] | None]] = {
+    "cpu": ("cpu", None),
     "cuda": ("cuda", (9, 0)),
     "rocm": ("rocm", None),
     "tpu": ("tpu", None),
@@ -38,7 +39,8 @@ __all__ = ["HOSTS", "backend_facts", "traced_as"]
 
 @contextlib.contextmanager
 def traced_as(platform: str):
-    """Trace the model's programs as a `platform` host ("cuda", "rocm" or "tpu") would."""
+    """Trace the model's programs as a `platform` host ("cpu", "cuda", "rocm" or "tpu")
+    would."""
     host = HOSTS[platform]
     with contextlib.ExitStack() as stack:
         stack.enter_context(traced_for(*host))

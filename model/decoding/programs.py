@@ -18,6 +18,7 @@ length or new sampling settings.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -107,8 +108,9 @@ def compile_programs(
         compiled, from_jax_cache = _compile(graphdef, example_args, use_cache, chunk_size)
         # An executable that JAX read from its own disk cache cannot be serialized again (on
         # XLA:CPU it loads but fails to run): keep only what was compiled here.
-        if cache is not None and not from_jax_cache:
-            cache.put("decode", arguments, {name: _serialize(c) for name, c in compiled.items()})
+        payloads = _serialized(compiled) if cache is not None and not from_jax_cache else None
+        if payloads is not None:
+            cache.put("decode", arguments, payloads)
     return DecodePrograms(
         chunk=compiled["chunk"],
         refill=compiled.get("refill"),
@@ -169,8 +171,16 @@ def _compile(graphdef, example_args: dict[str, tuple], use_cache: bool, chunk_si
     return compiled, bool(hits)
 
 
-def _serialize(compiled) -> tuple:
-    return serialize_executable.serialize(compiled)  # (payload, in_tree, out_tree)
+def _serialized(compiled: dict) -> dict | None:
+    """{name: (payload, in_tree, out_tree)}, or None when an executable cannot be serialized:
+    one that this process's jit had already compiled from JAX's own disk cache comes back
+    from its memory with no cache-hit event, and XLA:CPU refuses to serialize it again
+    ("`LessThan` is not serializable"). The stream runs all the same, uncached."""
+    try:
+        return {name: serialize_executable.serialize(c) for name, c in compiled.items()}
+    except Exception as err:  # JaxRuntimeError UNIMPLEMENTED, whatever XLA calls it next
+        logging.getLogger("tinyllm").debug("decode programs not cached: %s", err)
+        return None
 
 
 def _deserialize(stored: Any) -> dict | None:

@@ -8,4 +8,5 @@ moe.py          mixture of experts: router, capacity, auxiliary losses
 rope.py         rotary position embeddings
 activations.py  GELU forms written for speed on XLA:CPU
 params.py       the abstract model (shapes without initialising) and parameter names
+precision.py    what a matrix product computes in bf16 and float32, on every platform
 """

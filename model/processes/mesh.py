@@ -36,20 +36,28 @@ def check_batch_divisible(
         raise UsageError(f"{what} = {rows}) must divide evenly over the {n} devices")
 
 
+def sharded_axis(names: tuple[str, ...], shape: tuple[int, ...], n: int, fsdp: bool) -> int | None:
+    """The axis a parameter (path `names`, `shape`) is split along over `n` devices; None:
+    replicated. FSDP splits the first axis n divides, of a parameter of 2+ dimensions;
+    expert-stacked MoE parameters ([E, ...], named expert_*) split along E whenever n > 1
+    divides E (expert parallelism), with or without FSDP."""
+    is_expert = any(name.startswith(EXPERT_PARAM_PREFIX) for name in names)
+    if is_expert and n > 1 and shape[0] % n == 0:
+        return 0
+    if fsdp and len(shape) >= 2:
+        return next((axis for axis, size in enumerate(shape) if size % n == 0), None)
+    return None
+
+
 def param_shardings(params, mesh: Mesh, fsdp: bool):
-    """Replicated, or (fsdp) split along the first dimension the device count divides;
-    expert-stacked MoE params ([E, ...], named expert_*) split along E when n divides E."""
+    """Each parameter's NamedSharding on the `data` axis, as `sharded_axis` says."""
     n = mesh.devices.size
 
     def spec(path, x) -> NamedSharding:
-        is_expert = any(name.startswith(EXPERT_PARAM_PREFIX) for name in path_names(path))
-        if is_expert and n > 1 and x.shape[0] % n == 0:
-            return NamedSharding(mesh, P("data"))
-        if fsdp and x.ndim >= 2:
-            for axis, size in enumerate(x.shape):
-                if size % n == 0:
-                    return NamedSharding(mesh, P(*([None] * axis), "data"))
-        return NamedSharding(mesh, P())
+        axis = sharded_axis(path_names(path), x.shape, n, fsdp)
+        if axis is None:
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, P(*([None] * axis), "data"))
 
     return jax.tree_util.tree_map_with_path(spec, params)
 

@@ -4,10 +4,10 @@ config.py    TrainConfig: the [train] section
 data.py      the token cache and the batches drawn from it
 trainer.py   model and optimizer state on the mesh, the compiled step, evaluation
 loop.py      the loop: logging, evaluation, checkpoints, stopping on a signal
-optim.py     AdamW with warmup + cosine decay
+optim.py     AdamW or Muon, warmup then cosine or warmup-stable-decay
 metrics.py   metrics.jsonl, bits per byte, MFU, the loss curve
 tracking.py  train.tracker: the same metrics to TensorBoard or Weights & Biases
-memory.py    will a run fit? checked before anything is allocated
+memory.py    will a run fit? a lower bound, then the plan, before anything is allocated
 resume.py    what --resume checks and carries over
 errors.py    TrainingDiverged
 """

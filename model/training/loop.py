@@ -22,12 +22,13 @@ from pathlib import Path
 
 import jax
 
+from model.accelerators.devices import peak_flops
 from model.network.gpt import flops_per_token
 from model.processes.distributed import stop_agreed
 from model.rundir.checkpoints import Checkpoints
 from model.training.data import TokenSplits
 from model.training.errors import TrainingDiverged
-from model.training.metrics import MetricsLog, bits_per_byte, peak_flops, plot_losses
+from model.training.metrics import MetricsLog, bits_per_byte, plot_losses
 from model.training.tracking import open_tracker
 from model.training.trainer import Trainer
 from plumbing.progress import ProgressBar

@@ -1,11 +1,17 @@
-"""Will a training run fit in memory? A lower bound from the config, checked before anything is
-allocated against what the memory probe (plumbing/memory.py) says is free, so that a model too
-big for the machine is one clear line, not an out-of-memory traceback minutes later.
+"""Will a training run fit in memory? Checked before anything is allocated against what the
+memory probe (plumbing/memory.py) says is free, so that a model too big for the machine is one
+clear line, not an out-of-memory traceback minutes later.
 
-The estimate counts only what training surely holds at once, so it never refuses a run that
-would fit: float32 parameters, their gradients and Adam's two moments (16 bytes a parameter),
-and, for one micro-batch, the attention probabilities of every layer (B x H x T x T float32,
-kept for the backward pass) and the float32 logits (B x T x V).
+On an accelerator the check is the plan's (model/accelerators/plan.py, what `--plan` prints):
+parameters, gradients, optimizer state and activations per device, as the run will lay them
+out, against the device's free memory.
+
+On CPU every device shares the host's memory. A quick lower bound comes first, from what
+training surely holds at once: float32 parameters, their gradients and the optimizer's moments
+(`STATE_BYTES`), and for one micro-batch the attention probabilities of every layer (B x H x
+T x T float32) and the float32 logits (B x T x V). Above the memory there is, the run is
+refused; within a quarter of it, the plan decides; below, a small model starts without the
+second of tracing the plan costs.
 
     >>> from model.network.config import ModelConfig
     >>> cfg = ModelConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
@@ -19,44 +25,68 @@ from model.network.config import ModelConfig
 from plumbing.errors import UsageError
 from plumbing.memory import available_bytes, human_bytes
 
-STATE_BYTES_PER_PARAM = 16  # float32 parameter, gradient, Adam mu and nu
+# Bytes a parameter surely costs in training: float32 value and gradient, and the optimizer's
+# moments (AdamW two; Muon one for its matrices and two for the rest: at least one).
+STATE_BYTES = {"adamw": 16, "muon": 12}
+PLAN_SHARE = 0.25  # on CPU, the plan is made once the lower bound passes this share
 
 
-def training_bytes(cfg: ModelConfig, rows: int, state_copies: float = 1.0) -> int:
+def training_bytes(
+    cfg: ModelConfig, rows: int, state_copies: float = 1.0, optimizer: str = "adamw"
+) -> int:
     """Lower bound on the bytes one training step holds: `state_copies` copies of parameters
     and optimizer state (one per device when replicated) plus the activations of `rows`
     sequences of cfg.block_size tokens."""
     t = cfg.block_size
-    state = STATE_BYTES_PER_PARAM * cfg.approx_params() * state_copies
+    state = STATE_BYTES[optimizer] * cfg.approx_params() * state_copies
     attention = cfg.n_layer * rows * cfg.n_head * t * t * 4  # softmax output, float32
     logits = rows * t * cfg.vocab_size * 4  # float32
     return int(state + attention + logits)
 
 
-def check_training_memory(cfg: ModelConfig, batch_rows: int, fsdp: bool = False) -> None:
-    """UsageError, one line, when the training lower bound exceeds the memory there is.
-
-    `batch_rows` is the micro-batch (train.batch_size // train.grad_accum) over all devices.
-    On CPU every device shares host memory: the state is held once per device (once in all
-    with FSDP) and the whole micro-batch counts. On an accelerator each device holds its
-    share of the rows and, with FSDP, of the state.
-    """
+def check_training_memory(model_cfg: ModelConfig, train_cfg) -> None:
+    """UsageError, one line, when training `model_cfg` with `train_cfg` cannot fit."""
     import jax
 
-    devices = jax.local_devices()
-    n = len(devices)
-    if devices[0].platform == "cpu":
-        need = training_bytes(cfg, batch_rows, 1.0 if fsdp else n)
-        where = "available memory"
-    else:
-        need = training_bytes(cfg, -(-batch_rows // n), 1.0 / n if fsdp else 1.0)
-        where = f"free memory on {devices[0]}"
-    have = available_bytes(devices[0])
-    if have is None or need <= have:
+    device, n = jax.local_devices()[0], jax.device_count()
+    have = available_bytes(device)
+    if have is None:
         return
+    rows = train_cfg.micro_batch
+    if device.platform == "cpu":
+        copies = 1.0 if train_cfg.fsdp else n
+        quick = training_bytes(model_cfg, rows, copies, train_cfg.optimizer)
+        if quick > have:
+            raise UsageError(
+                f"this model needs at least {human_bytes(quick)} to train (about "
+                f"{model_cfg.approx_params():,} parameters, context {model_cfg.block_size}, "
+                f"{rows} sequences per micro-batch), more than the {human_bytes(have)} of "
+                f"available memory: {_ADVICE}"
+            )
+        if quick <= PLAN_SHARE * have:
+            return
+    _check_plan(model_cfg, train_cfg, device, n, have)
+
+
+def _check_plan(model_cfg: ModelConfig, train_cfg, device, n: int, have: int) -> None:
+    from model.accelerators.plan import training_plan_bytes
+
+    per_device = training_plan_bytes(model_cfg, train_cfg, n)
+    # CPU devices are views of one host: all their shares come out of the same memory.
+    need = per_device["total"] * (n if device.platform == "cpu" else 1)
+    if need <= have:
+        return
+    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in per_device.items() if k != "total")
+    where = "available memory" if device.platform == "cpu" else f"free memory on {device}"
+    each = f"{human_bytes(per_device['total'])} on each of {n} devices" if n > 1 else ""
     raise UsageError(
-        f"this model needs at least {human_bytes(need)} to train (about {cfg.approx_params():,} "
-        f"parameters, context {cfg.block_size}, {batch_rows} sequences per micro-batch), "
-        f"more than the {human_bytes(have)} of {where}: lower model.block_size, model.n_layer, "
-        "model.n_embd or train.batch_size (or raise train.grad_accum)"
+        f"this model needs about {human_bytes(need)} to train ({each + '; ' if each else ''}"
+        f"{parts}; --plan shows the plan), more than the {human_bytes(have)} of {where}: "
+        f"{_ADVICE}"
     )
+
+
+_ADVICE = (
+    "lower model.block_size, model.n_layer, model.n_embd or train.batch_size (or raise "
+    "train.grad_accum, or set train.fsdp=true on several devices)"
+)

@@ -12,30 +12,6 @@ from model.rundir.layout import METRICS_FILE, PLOT_FILE
 from model.training.tracking import NoTracker, Tracker
 from plumbing.atomic import write_atomic
 
-# Dense bf16 peak FLOP/s per chip, for model-FLOPs utilisation (vendor data sheets).
-PEAK_FLOPS = {
-    "h200": 989e12,
-    "h100": 989e12,
-    "a100": 312e12,
-    "l4": 121e12,
-    "a10": 125e12,
-    "v100": 125e12,
-    "tpu v4": 275e12,
-    "tpu v5 lite": 197e12,
-    "tpu v5e": 197e12,
-    "tpu v5p": 459e12,
-    "tpu v6": 918e12,
-}
-
-
-def peak_flops(device_kind: str) -> float | None:
-    """The bf16 peak of a device kind (`jax.devices()[0].device_kind`), None when unknown."""
-    kind = device_kind.lower()
-    for name, flops in PEAK_FLOPS.items():
-        if name in kind:
-            return flops
-    return None
-
 
 def bits_per_byte(loss_nats: float, bytes_per_token: float) -> float:
     """Tokenizer-independent loss: nats per token -> bits per byte of text.

@@ -95,6 +95,31 @@ def initial_state(model_cfg: ModelConfig, seed: int):
     return graphdef, params, rest
 
 
+def forward_weights(params, train_cfg: TrainConfig):
+    """The weights the forward pass uses: under QAT, linear kernels fake-quantized with a
+    straight-through estimator (gradients reach the float params unchanged)."""
+    t = train_cfg
+    return fake_quant_tree(params, t.qat_bits, t.quant_group_size) if t.qat_bits else params
+
+
+def training_loss(graphdef, rest, train_cfg: TrainConfig):
+    """The objective `loss(params, x_BxT, y_BxT, key) -> (total, (cross-entropy, aux))` of the
+    model `graphdef` (with its non-parameter state `rest`)."""
+
+    def loss(params, x_BxT, y_BxT, key):
+        model = nnx.merge(graphdef, forward_weights(params, train_cfg), rest)
+        dropout = model.cfg.dropout > 0
+        rngs = nnx.Rngs(dropout=key) if dropout else None
+        logits, aux = model.forward_with_aux(x_BxT, deterministic=not dropout, rngs=rngs)
+        ce = cross_entropy(logits, y_BxT)
+        # Auxiliary entries named *_loss (MoE load balance, router z-loss) come already
+        # weighted and join the objective; others (e.g. dropped-token counts) are only logged.
+        total = ce + sum((v for k, v in aux.items() if k.endswith("_loss")), jnp.float32(0))
+        return total, (ce, aux)
+
+    return loss
+
+
 class Trainer:
     """Model + optimizer state on the mesh, the compiled step, evaluation.
 
@@ -132,27 +157,11 @@ class Trainer:
             self.params = jax.device_put(params, self.param_shardings)
             self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
         self.batch_sharding = batch_sharding(self.mesh)
+        self._loss = training_loss(self.graphdef, self.rest, t)
         self.train_step = self._compile_step()
         self.eval_step = jax.jit(self._eval_loss)
 
     # -- the compiled functions ------------------------------------------------------------
-
-    def _weights(self, params):
-        """The weights the forward pass uses: under QAT, linear kernels fake-quantized with a
-        straight-through estimator (gradients reach the float params unchanged)."""
-        t = self.train_cfg
-        return fake_quant_tree(params, t.qat_bits, t.quant_group_size) if t.qat_bits else params
-
-    def _loss(self, params, x_BxT, y_BxT, key):
-        model = nnx.merge(self.graphdef, self._weights(params), self.rest)
-        dropout = self.model_cfg.dropout > 0
-        rngs = nnx.Rngs(dropout=key) if dropout else None
-        logits, aux = model.forward_with_aux(x_BxT, deterministic=not dropout, rngs=rngs)
-        ce = cross_entropy(logits, y_BxT)
-        # Auxiliary entries named *_loss (MoE load balance, router z-loss) come already
-        # weighted and join the objective; others (e.g. dropped-token counts) are only logged.
-        total = ce + sum((v for k, v in aux.items() if k.endswith("_loss")), jnp.float32(0))
-        return total, (ce, aux)
 
     def _compile_step(self):
         seed = self.train_cfg.seed
@@ -196,7 +205,7 @@ class Trainer:
         )
 
     def _eval_loss(self, params, x_BxT, y_BxT):
-        model = nnx.merge(self.graphdef, self._weights(params), self.rest)
+        model = nnx.merge(self.graphdef, forward_weights(params, self.train_cfg), self.rest)
         logits, _ = model.forward_with_aux(x_BxT, deterministic=True)
         return cross_entropy(logits, y_BxT)
 

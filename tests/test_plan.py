@@ -1,0 +1,177 @@
+"""--plan (model/accelerators/plan.py, model/plan_stage.py): its bytes agree with XLA's own
+memory analysis of the compiled step, FSDP's share is counted per device, FLOPs and step time
+follow their formulas, and --train refuses on an accelerator what the plan says cannot fit."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from configs.schema import load_config, resolve_config_path
+from model.accelerators.devices import NAMES, accelerator, accelerator_of_kind
+from model.accelerators.plan import make_plan, planned_config
+from plumbing.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config(name: str, *overrides: str):
+    return planned_config(load_config(resolve_config_path(name), list(overrides)))
+
+
+def xla_bytes(cfg) -> int:
+    """What XLA's buffer assignment gives one device for the compiled train step: arguments
+    and outputs (the donated state counted once) and temporaries."""
+    from model.training.trainer import Trainer
+
+    trainer = Trainer(cfg.train, cfg.model, abstract=True)
+    x, y = trainer.batch_shapes()
+    step = jax.ShapeDtypeStruct((), jnp.int32)
+    traced = trainer.train_step.trace(trainer.params, trainer.opt_state, x, y, step)
+    m = traced.lower().compile().memory_analysis()
+    out = m.output_size_in_bytes - m.alias_size_in_bytes
+    return m.argument_size_in_bytes + out + m.temp_size_in_bytes
+
+
+# Five recipes and shapes: the demo (Muon, QK-norm, x0 mixing), nanoGPT's char config (AdamW),
+# gradient accumulation, Llama's layers, mixture of experts.
+AGREEING = [
+    ("shakespeare",),
+    ("shakespeare_char",),
+    ("shakespeare_char", "train.batch_size=32", "train.grad_accum=2"),
+    ("shakespeare", "model.mlp=swiglu", "model.position=rope", "model.norm=rmsnorm"),
+    ("shakespeare", "model.moe_experts=4", "train.optimizer=adamw"),
+]
+
+
+@pytest.mark.parametrize("case", AGREEING, ids=lambda c: " ".join(c))
+def test_plan_bytes_agree_with_xla_memory_analysis(case):
+    cfg = config(*case)
+    plan = make_plan(cfg, accelerator("cpu"), devices=1)
+    ratio = plan.bytes_per_device["total"] / xla_bytes(cfg)
+    assert 0.8 <= ratio <= 1.2, ratio
+
+
+def test_fsdp_is_counted_per_device_on_four_devices():
+    """Run under 4 CPU devices: the plan per device for data parallel and FSDP, against XLA's
+    per-device memory analysis; FSDP holds a quarter of the matrices' state."""
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(ROOT)!r})
+from tests.test_plan import config, xla_bytes
+from model.accelerators.devices import accelerator
+from model.accelerators.plan import make_plan
+out = {{}}
+for fsdp in ("false", "true"):
+    cfg = config("shakespeare", "train.fsdp=" + fsdp)
+    plan = make_plan(cfg, accelerator("cpu"), devices=4)
+    out[fsdp] = [plan.bytes_per_device, xla_bytes(cfg)]
+print(json.dumps(out))
+"""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for plan, xla in out.values():
+        assert 0.8 <= plan["total"] / xla <= 1.2, (plan, xla)
+    (dp, _), (fsdp, _) = out["false"], out["true"]
+    for part in ("parameters", "gradients", "optimizer"):
+        assert fsdp[part] < 0.3 * dp[part], part  # all but norms and scalars split in 4
+    assert fsdp["activations"] == dp["activations"]  # the batch is split either way
+
+
+def test_flops_step_time_and_the_device_table():
+    assert {"h100-sxm", "h100-pcie", "h200", "a100-40gb", "a100-80gb", "l4"} <= set(NAMES)
+    assert {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "cpu"} <= set(NAMES)
+    assert accelerator_of_kind("NVIDIA H100 80GB HBM3").name == "h100-sxm"
+    assert accelerator_of_kind("TPU v5 lite").name == "tpu-v5e"
+    assert accelerator_of_kind("NVIDIA L40S") is None  # not guessed from a longer name
+    cfg = config("gpt2_124m")
+    plan = make_plan(cfg, accelerator("h100-sxm"))
+    n, layers, width, context = 124_337_664, 12, 768, 1024
+    assert plan.params == n  # GPT-2 small, tied head
+    non_embedding = n - context * width  # the position table does no matmul
+    assert plan.flops_per_token == 6 * non_embedding + 12 * layers * width * context
+    tokens = cfg.train.batch_size * context
+    expected = plan.flops_per_token * tokens / (989e12 * 0.4)
+    assert plan.step_seconds == pytest.approx(expected)
+    assert plan.attention == "cudnn" and plan.fits
+    on_tpu = make_plan(cfg, accelerator("tpu-v5e"))
+    assert on_tpu.attention == "xla"  # no cuDNN: T x T probabilities kept
+    assert on_tpu.bytes_per_device["activations"] > plan.bytes_per_device["activations"]
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tinyllm.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def test_cli_plan_json_and_text():
+    proc = run_cli("--plan", "--json", "--config", "gpt2_124m", "--device", "tpu-v5e")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert {"params", "flops_per_token", "bytes_per_device", "fits"} <= set(plan)
+    assert plan["device"]["name"] == "tpu-v5e" and plan["fits"] is False  # 16 GiB
+    assert plan["bytes_per_device"]["total"] > 16 * 2**30
+    verdicts = {}
+    for batch in (32, 64):  # 4 or 8 sequences on each of 8 chips
+        proc = run_cli(
+            "--plan", "--config", "gpt2_124m", "--device", "tpu-v5e", "--devices", "8",
+            "train.fsdp=true", f"train.batch_size={batch}",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert lines[0].startswith("plan: gpt2_124m on 8 x TPU v5e")
+        assert any("(adamw, FSDP)" in line for line in lines)
+        [total] = [line for line in lines if line.split()[0] == "total"]
+        verdicts[batch] = total.split("  ")[-1].split(" in ")[0].strip()
+    assert verdicts == {32: "fits", 64: "DOES NOT FIT"}
+
+
+def test_cli_plan_refuses_bad_devices_in_one_line(tmp_path):
+    proc = run_cli("--plan", "--device", "tpu-v9")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("tinyllm: error: --device must be one of h100-pcie, h100-sxm")
+    assert len(proc.stderr.splitlines()) == 1
+    proc = run_cli("--train", "--device", "h100-sxm")
+    assert proc.returncode == 2 and "go with --plan" in proc.stderr
+    proc = run_cli("--plan", "--config", "gpt2_124m", "--device", "h100-sxm", "--devices", "5")
+    assert proc.returncode == 2 and "divide evenly over the 5 devices" in proc.stderr
+
+
+class FakeGPU:
+    """What check_training_memory asks of a device: its platform and free memory."""
+
+    platform = "gpu"
+
+    def __str__(self):
+        return "cuda:0"
+
+
+def test_train_refuses_on_an_accelerator_what_the_plan_says_cannot_fit(monkeypatch):
+    import model.training.memory as memory
+    from model.accelerators.gpu_host import traced_as
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [FakeGPU()])
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 8 * 2**30)
+    cfg = config("gpt2_124m")  # about 37 GiB by the plan, against 8 GiB free
+    with traced_as("cuda"), pytest.raises(UsageError) as refused:  # the model sees an H100
+        memory.check_training_memory(cfg.model, cfg.train)
+    line = str(refused.value)
+    assert line.startswith("this model needs about ") and "--plan shows the plan" in line
+    assert "free memory on cuda:0" in line and "\n" not in line
+    small = config("shakespeare_char")
+    with traced_as("cuda"):
+        memory.check_training_memory(small.model, small.train)  # fits: no error
