@@ -67,7 +67,9 @@ def train_steps(trainer, tokens, steps: range) -> list[float]:
     return losses
 
 
-def short_run(config: str, run_dir: str, overrides: list[str], steps: int = 6) -> dict:
+def short_run(
+    config: str, run_dir: str, overrides: list[str], steps: int = 6, resume: bool = False
+) -> dict:
     import jax
 
     from configs.schema import load_config
@@ -92,20 +94,23 @@ def short_run(config: str, run_dir: str, overrides: list[str], steps: int = 6) -
         out["fsdp_param_shards" if fsdp else "dp_param_shards"] = len(
             {str(s.index) for s in kernel.addressable_shards}
         )
-        if fsdp:
+        if fsdp and resume:
             out["fsdp_step_compiles"] = counter.of("step") - before
             out["fsdp_optimizer"] = optimizer_layout(trainer)
-            # --resume's path: a new trainer restores a checkpoint into its own layout.
+            # --resume's path: a new trainer restores a checkpoint into its own layout, and
+            # continues as the first one does.
             checkpoints = Checkpoints(Path(run_dir) / f"fsdp-{jax.device_count()}")
             checkpoints.save(steps, trainer.params, trainer.opt_state, {"config": {}})
             checkpoints.wait()
+            more = range(steps, steps + 2)
+            out["continued"] = train_steps(trainer, splits.train, more)
             resumed = Trainer(cfg.train, model_cfg)
             resumed.params, resumed.opt_state, _ = checkpoints.restore(
                 steps, resumed.params, resumed.opt_state
             )
             checkpoints.close()
             before = counter.of("step")
-            out["resumed"] = train_steps(resumed, splits.train, range(steps, steps + 2))
+            out["resumed"] = train_steps(resumed, splits.train, more)
             out["resumed_step_compiles"] = counter.of("step") - before
             out["resumed_optimizer"] = optimizer_layout(resumed)
     out["batch_shards"] = sorted({str(s.index) for s in x_shards(trainer, splits)})
@@ -118,4 +123,9 @@ def x_shards(trainer, splits):
 
 
 if __name__ == "__main__":
-    print(json.dumps(short_run(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))))
+    import tinyllm
+
+    # As --train does: the fresh and the resumed trainer compile the same step (counted as
+    # compiles all the same: JAX reports a disk-cache hit as a compilation of its own).
+    tinyllm.enable_compilation_cache()
+    print(json.dumps(short_run(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), resume=True)))

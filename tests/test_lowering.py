@@ -74,9 +74,9 @@ def test_float32_times_bf16_products_are_found_inside_the_program():
 def test_every_program_and_variant_lowers_for_every_platform():
     """The demo's recipe (Muon, QK-norm, x0 mixing) and the variants, 1 device: clean, with
     cuDNN attention exactly where an H100 in bf16 runs it (whole sequences, not the cache)."""
-    results = lower_all(small_config())
+    results = lower_all(small_config(), platforms=("cuda", "tpu"))  # rocm lowers as tpu traces
     assert {(r.platform, r.dtype) for r in results} == {
-        (p, d) for p in ("cuda", "rocm", "tpu") for d in ("float32", "bfloat16")
+        (p, d) for p in ("cuda", "tpu") for d in ("float32", "bfloat16")
     }
     assert [r for r in results if not r.ok] == []
     names = {r.program for r in results}
@@ -98,8 +98,8 @@ def test_every_program_and_variant_lowers_for_every_platform():
 
 def test_dropout_trains_through_the_reference_attention_and_evaluates_through_cudnn():
     cfg = small_config("model.dropout=0.1")
-    results = lower_all(cfg, ("cuda",), ("bfloat16",), ("train",), variants=())
-    by_name = {r.program: r for r in results}
+    results = lower_all(cfg, ("cuda", "rocm"), ("bfloat16",), ("train",), variants=())
+    by_name = {r.program: r for r in results if r.platform == "cuda"}
     assert all(r.ok for r in results)
     assert by_name["train step (muon)"].attention == "reference"
     assert not any(c.startswith("__cudnn") for c in by_name["train step (muon)"].custom_calls)

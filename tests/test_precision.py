@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BF16_LOSS_DISTANCE = 0.02
 
 
-def train_losses(tmp_path, dtype: str, steps: int = 60) -> list[float]:
+def train_losses(tmp_path, dtype: str, steps: int = 40) -> list[float]:
     from tokenizer.char import CharTokenizer
 
     corpus = write_word_corpus(tmp_path / "words.txt", 400).read_text()
@@ -33,7 +33,7 @@ def train_losses(tmp_path, dtype: str, steps: int = 60) -> list[float]:
     tokens = np.asarray(tok.encode(corpus), np.uint16)
     cfg = load_config(
         resolve_config_path("shakespeare_char"),
-        [f"model.dtype={dtype}", "model.n_layer=2", "model.n_embd=64", "model.block_size=32",
+        [f"model.dtype={dtype}", "model.n_layer=1", "model.n_embd=64", "model.block_size=32",
          "train.batch_size=8", "train.warmup_steps=5", f"train.max_steps={steps}"],
     )  # fmt: skip
     trainer = Trainer(cfg.train, cfg.model.for_vocab(tok.vocab_size))

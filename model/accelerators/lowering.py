@@ -78,8 +78,6 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "qat int4": ({"qat_bits": 4}, {}),
 }
 CUDNN_CALL = "__cudnn$fmha"
-# custom_call targets that are not computation: sharding annotations of the partitioner.
-SHARDING_CALLS = ("Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape")
 CUSTOM_PARTITIONING = "CustomSPMDPartitioning"
 
 
@@ -89,7 +87,6 @@ class Program:
     its attention runs over whole sequences (training, evaluation, the uncached reference),
     where cuDNN can run, rather than over the KV cache."""
 
-    group: str
     name: str
     trace: Callable[[], Any]
     full_attention: bool
@@ -129,22 +126,16 @@ def training_programs(cfg, devices: int, variants: Iterable[str] = VARIANTS) -> 
         train_cfg, model_cfg = _variant(cfg, devices, train_over, model_over)
         for fsdp in layouts:
             label = ", ".join(x for x in (name or train_cfg.optimizer, "fsdp" * fsdp) if x)
-            programs.append(
-                Program(
-                    "train",
-                    f"train step ({label})",
-                    _train_step_tracer(train_cfg, model_cfg, fsdp),
-                    True,
-                    True,
-                )
-            )
+            tracer = _train_step_tracer(train_cfg, model_cfg, fsdp)
+            programs.append(Program(f"train step ({label})", tracer, True, training=True))
     train_cfg, model_cfg = _variant(cfg, devices, {}, {})
-    programs.append(Program("train", "evaluation", _eval_tracer(train_cfg, model_cfg), True))
+    programs.append(Program("evaluation", _eval_tracer(train_cfg, model_cfg), True))
     return programs
 
 
 def _differs(cfg, train_over: dict, model_over: dict) -> bool:
-    current = {**{k: getattr(cfg.train, k) for k in train_over}}
+    """Whether a variant changes the config (the config's own optimizer is no variant)."""
+    current = {k: getattr(cfg.train, k) for k in train_over}
     current.update({k: getattr(cfg.model, k) for k in model_over})
     return current != {**train_over, **model_over}
 
@@ -198,9 +189,9 @@ def decode_programs(cfg) -> list[Program]:
 
     chunk = {"chunk_size": DEFAULT_CHUNK_SIZE}
     return [
-        Program("decode", "refill (prefill, slides)", tracer(refill, True), False),
-        Program("decode", "cached chunk", tracer(cached_chunk, True, **chunk), False),
-        Program("decode", "uncached chunk", tracer(uncached_chunk, False, **chunk), True),
+        Program("refill (prefill, slides)", tracer(refill, True), False),
+        Program("cached chunk", tracer(cached_chunk, True, **chunk), False),
+        Program("uncached chunk", tracer(uncached_chunk, False, **chunk), True),
     ]
 
 
@@ -231,7 +222,7 @@ def serving_programs(cfg) -> list[Program]:
         return trace
 
     names = ("prefill_row", "put_row", "take_row", "batch_chunk")
-    return [Program("serve", name, tracer(name), False) for name in names]
+    return [Program(name, tracer(name), False) for name in names]
 
 
 @functools.lru_cache(maxsize=4)
@@ -305,8 +296,7 @@ def lower_program(
         by_attention.setdefault(result.attention, []).append(result)
     for attention, group in by_attention.items():
         try:
-            # jit keeps traces by argument shapes, not by the host traced for: start afresh.
-            jax.clear_caches()
+            _forget_traces_of_another_host(attention)
             with traced_as(group[0].platform):
                 traced = program.trace()
         except Exception as err:  # any failure to trace is what this check reports
@@ -326,6 +316,18 @@ def lower_program(
             except Exception as err:  # likewise for lowering
                 result.problems.append(f"does not lower: {_describe(err)}")
     return results
+
+
+_last_host_choice: list[str] = []  # the attention of the last trace made in this process
+
+
+def _forget_traces_of_another_host(attention: str) -> None:
+    """jit keeps traces by argument shapes, not by the host they were made for: before a
+    trace that picks other attention than the last one, drop them (the programs that are
+    module-level jits, --inference's and the server's, would otherwise reuse them)."""
+    if _last_host_choice and _last_host_choice[-1] != attention:
+        jax.clear_caches()
+    _last_host_choice[:] = [attention]
 
 
 def expected_attention(program: Program, platform: str, model_cfg: ModelConfig) -> str:

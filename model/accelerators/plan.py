@@ -157,7 +157,7 @@ def state_bytes(model_cfg, train_cfg, devices: int) -> dict[str, int]:
     import jax
 
     from model.network.params import path_names
-    from model.processes.mesh import sharded_axis
+    from model.processes.mesh import owning_parameter, sharded_axis
     from model.training.optim import make_optimizer
 
     _, params, _ = _abstract(model_cfg)
@@ -170,10 +170,7 @@ def state_bytes(model_cfg, train_cfg, devices: int) -> dict[str, int]:
     optimizer = 0
     opt_state = jax.eval_shape(make_optimizer(train_cfg).init, params)
     for path, x in jax.tree_util.tree_leaves_with_path(opt_state):
-        names = path_names(path)
-        # A moment is laid out as the parameter whose path ends its own (mesh.py's rule).
-        found = (split.get(names[i:]) for i in range(len(names)))
-        n = next((n for shape, n in filter(None, found) if shape == tuple(x.shape)), 1)
+        n = owning_parameter(path_names(path), tuple(x.shape), split) or 1  # laid out alike
         optimizer += math.prod(x.shape) * x.dtype.itemsize // n
     gradients = weights * (2 if train_cfg.grad_accum > 1 else 1)
     return {"parameters": weights, "gradients": gradients, "optimizer": optimizer}

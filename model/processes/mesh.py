@@ -64,16 +64,12 @@ def param_shardings(params, mesh: Mesh, fsdp: bool):
 
 def shardings_like_params(tree, params, shardings, mesh: Mesh):
     """Shardings for a tree that holds parameter-shaped leaves (optimizer moments): each such
-    leaf sharded as its parameter, everything else (step counts, schedule state) replicated.
-
-    A leaf belongs to a parameter when its key path ends with the parameter's path and the
-    shapes agree: optax nests the moments under its own keys (`mu`, `nu`, muon's partition)
-    but keeps each parameter's path below them. Without this, `jax.jit(tx.init)` returns the
-    moments replicated (zeros depend on no sharded input), FSDP holds the whole Adam state on
-    every device, and the step compiles again once it returns the state sharded.
-    """
+    leaf sharded as its parameter (`owning_parameter`), everything else (step counts, schedule
+    state) replicated. Without this, `jax.jit(tx.init)` returns the moments replicated (zeros
+    depend on no sharded input), FSDP holds the whole Adam state on every device, and the step
+    compiles again once it returns the state sharded."""
     by_path = {
-        path_names(path): (x.shape, sharding)
+        path_names(path): (tuple(x.shape), sharding)
         for (path, x), sharding in zip(
             jax.tree_util.tree_leaves_with_path(params),
             jax.tree_util.tree_leaves(shardings),
@@ -83,14 +79,27 @@ def shardings_like_params(tree, params, shardings, mesh: Mesh):
     replicated = NamedSharding(mesh, P())
 
     def spec(path, x) -> NamedSharding:
-        names = path_names(path)
-        for start in range(len(names)):  # the longest matching tail first
-            found = by_path.get(names[start:])
-            if found is not None and tuple(found[0]) == tuple(x.shape):
-                return found[1]
-        return replicated
+        found = owning_parameter(path_names(path), tuple(x.shape), by_path)
+        return replicated if found is None else found
 
     return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def owning_parameter(names: tuple[str, ...], shape: tuple[int, ...], by_path: dict):
+    """by_path[p][1] for the parameter p that a state leaf (path `names`, `shape`) belongs to,
+    or None. by_path maps parameter paths to (shape, anything). A leaf belongs to a parameter
+    when its path ends with the parameter's path and the shapes agree: optax nests moments
+    under its own keys (`mu`, `nu`, muon's partition) but keeps each parameter's path below.
+
+    >>> params = {("wte", "embedding"): ((4, 2), "x")}
+    >>> owning_parameter(("0", "mu", "wte", "embedding"), (4, 2), params)
+    'x'
+    """
+    for start in range(len(names)):  # the longest matching tail first
+        found = by_path.get(names[start:])
+        if found is not None and found[0] == shape:
+            return found[1]
+    return None
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
