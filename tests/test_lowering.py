@@ -47,7 +47,13 @@ def test_inspection_catches_what_it_looks_for():
     shape = jax.ShapeDtypeStruct((4, 8), jnp.float32)
     callback = lowered_text(lambda a: jax.pure_callback(np.sin, shape, a), x32)
     assert inspect_text(callback, False)[0].startswith("host callbacks: xla_")
-    assert "cuDNN attention expected" in inspect_text(clean, True)[0]
+    assert "cuDNN attention (forward) expected" in inspect_text(clean, True)[0]
+    forward = "%1 = stablehlo.custom_call @__cudnn$fmhaSoftmax(%0)"
+    backward = "%2 = stablehlo.custom_call @__cudnn$fmhaSoftmaxBackward(%1)"
+    assert inspect_text(forward, True) == []  # evaluation: forward only
+    assert "(forward and backward) expected" in inspect_text(forward, True, backward=True)[0]
+    assert inspect_text(forward + "\n" + backward, True, backward=True) == []
+    assert "should not pick it" in inspect_text(forward, False)[0]
 
 
 def test_float32_times_bf16_products_are_found_inside_the_program():

@@ -311,7 +311,7 @@ def lower_program(
                 )
             try:
                 text = traced.lower(lowering_platforms=(result.platform,)).as_text()
-                result.problems += inspect_text(text, attention == "cudnn")
+                result.problems += inspect_text(text, attention == "cudnn", program.training)
                 result.custom_calls = sorted(set(custom_call_targets(text)))
             except Exception as err:  # likewise for lowering
                 result.problems.append(f"does not lower: {_describe(err)}")
@@ -345,8 +345,9 @@ def expected_attention(program: Program, platform: str, model_cfg: ModelConfig) 
     )
 
 
-def inspect_text(text: str, cudnn_expected: bool) -> list[str]:
-    """What is wrong with a lowered program's StableHLO text (empty: nothing)."""
+def inspect_text(text: str, cudnn_expected: bool, backward: bool = False) -> list[str]:
+    """What is wrong with a lowered program's StableHLO text (empty: nothing); with
+    `backward`, cuDNN's attention is expected in both directions (a train step)."""
     problems = []
     if re.search(r"[<x]f64>", text):
         problems.append("float64 values in the program")
@@ -358,12 +359,18 @@ def inspect_text(text: str, cudnn_expected: bool) -> list[str]:
     foreign = sorted({rule for rule in partitioned if not _is_cudnn_rule(rule)})
     if foreign:
         problems.append(f"host callbacks of custom partitioning: {', '.join(foreign)}")
-    has_cudnn = any(t.startswith(CUDNN_CALL) for t in targets) or any(
-        _is_cudnn_rule(rule) for rule in partitioned
-    )
-    if cudnn_expected and not has_cudnn:
-        problems.append("cuDNN attention expected (bf16 on an H100) but not in the program")
-    if has_cudnn and not cudnn_expected:
+    # cuDNN's attention: its custom calls on one device; on several, JAX's partitioning rules
+    # for them, which XLA's partitioner turns into the same calls on each device's shard.
+    cudnn = [t for t in targets if t.startswith(CUDNN_CALL)]
+    cudnn += [rule for rule in partitioned if _is_cudnn_rule(rule)]
+    has_backward = any("backward" in c.lower() or "_bwd_" in c for c in cudnn)
+    has_forward = any(not ("backward" in c.lower() or "_bwd_" in c) for c in cudnn)
+    if cudnn_expected and not (has_forward and (has_backward or not backward)):
+        direction = "forward and backward" if backward else "forward"
+        problems.append(
+            f"cuDNN attention ({direction}) expected on an H100 in bf16 but not in the program"
+        )
+    if cudnn and not cudnn_expected:
         problems.append("cuDNN attention where the model should not pick it")
     return problems
 
