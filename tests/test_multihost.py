@@ -65,6 +65,25 @@ def free_port() -> int:
 
 def launch(run_dir: Path, corpus_file: Path, *overrides: str, n: int = 2) -> list:
     """Start `n` training processes on run_dir; returns [(Popen, path of its output)]."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "tinyllm.py"),
+        "--train",
+        "--config",
+        str(ROOT / "configs" / "shakespeare_char.toml"),
+        "--input",
+        str(corpus_file),
+        "--out",
+        str(run_dir),
+        *TINY,
+        *overrides,
+    ]
+    return start_job(cmd, run_dir.parent / f"{run_dir.name}.p", n)
+
+
+def start_job(cmd: list[str], log_prefix: Path, n: int = 2) -> list:
+    """`cmd` as the `n` processes of one JAX job on this machine (a free port, JAX's own
+    variables), each writing to log_prefix + its index + .log; [(Popen, log path)]."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *JAX_VARS)}
     base["TINYLLM_HEARTBEAT_TIMEOUT_S"] = "10"
@@ -76,20 +95,7 @@ def launch(run_dir: Path, corpus_file: Path, *overrides: str, n: int = 2) -> lis
             "JAX_NUM_PROCESSES": str(n),
             "JAX_PROCESS_ID": str(i),
         }
-        log = run_dir.parent / f"{run_dir.name}.p{i}.log"
-        cmd = [
-            sys.executable,
-            str(ROOT / "tinyllm.py"),
-            "--train",
-            "--config",
-            str(ROOT / "configs" / "shakespeare_char.toml"),
-            "--input",
-            str(corpus_file),
-            "--out",
-            str(run_dir),
-            *TINY,
-            *overrides,
-        ]
+        log = Path(f"{log_prefix}{i}.log")
         with open(log, "w") as f:
             procs.append((subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT), log))
     return procs
@@ -179,22 +185,8 @@ def test_every_process_samples_on_a_device_it_can_address(tmp_path, single_run):
 
     tokenizer, model, _ = open_trained_run(single_run).load()
     reference = generate_all(model, tokenizer.encode("to be or"), max_new_tokens=8, temperature=0)
-    port = free_port()
-    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *JAX_VARS)}
-    procs = []
-    for i in range(2):
-        env = {
-            **base,
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-            "JAX_NUM_PROCESSES": "2",
-            "JAX_PROCESS_ID": str(i),
-        }
-        log = tmp_path / f"p{i}.log"
-        script = [sys.executable, str(ROOT / "tests" / "multihost_sampling.py"), str(single_run)]
-        with open(log, "w") as f:
-            procs.append(
-                (subprocess.Popen(script, env=env, stdout=f, stderr=subprocess.STDOUT), log)
-            )
+    script = [sys.executable, str(ROOT / "tests" / "multihost_sampling.py"), str(single_run)]
+    procs = start_job(script, tmp_path / "p")
     outputs = [json.loads(out.strip().splitlines()[-1]) for out in finish(procs)]
     assert sorted(o["process"] for o in outputs) == [0, 1]
     for out in outputs:

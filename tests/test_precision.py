@@ -17,6 +17,7 @@ from model.accelerators.plan import planned_config
 from model.processes.determinism import DETERMINISM_FLAG, configure_determinism
 from model.training.trainer import Trainer
 from plumbing.errors import UsageError
+from tests.multidevice_run import train_steps
 from tests.tiny_runs import write_word_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,15 +37,9 @@ def train_losses(tmp_path, dtype: str, steps: int = 40) -> list[float]:
         [f"model.dtype={dtype}", "model.n_layer=1", "model.n_embd=64", "model.block_size=32",
          "train.batch_size=8", "train.warmup_steps=5", f"train.max_steps={steps}"],
     )  # fmt: skip
-    trainer = Trainer(cfg.train, cfg.model.for_vocab(tok.vocab_size))
-    losses = []
-    for step in range(steps):
-        x, y = trainer.batch(tokens, step)
-        trainer.params, trainer.opt_state, metrics = trainer.train_step(
-            trainer.params, trainer.opt_state, x, y, step
-        )
-        losses.append(float(metrics["loss"]))
-    return losses
+    return train_steps(
+        Trainer(cfg.train, cfg.model.for_vocab(tok.vocab_size)), tokens, range(steps)
+    )
 
 
 def test_bf16_training_stays_near_float32(tmp_path):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from unittest import mock
 
-from model.network.attention import backend_facts, traced_for
+from model.network.attention import backend_facts, choose_implementation, traced_for
 
 # What each platform's host reports to the model; cuda: an H100 (Hopper, compute capability
 # 9.0), the GPU the project's bf16 configs are sized for.
@@ -34,7 +34,22 @@ HOSTS: dict[str, tuple[str, tuple[int, int] | None]] = {
 }
 CUDNN_VERSION = 91000  # cuDNN 9.10, as jax[cuda12] ships it
 
-__all__ = ["HOSTS", "backend_facts", "traced_as"]
+__all__ = ["HOSTS", "attention_on", "backend_facts", "traced_as"]
+
+
+def attention_on(platform: str, model_cfg, *, cached: bool, training: bool) -> str:
+    """The attention the model picks on a `platform` host (model/network/attention.py's own
+    choice); UsageError where it refuses (model.attention = "cudnn" off an NVIDIA GPU)."""
+    host, capability = HOSTS[platform]
+    return choose_implementation(
+        model_cfg.attention,
+        platform=host,
+        compute_capability=capability,
+        dtype=model_cfg.dtype,
+        head_dim=model_cfg.head_dim,
+        cached=cached,
+        dropout=training and model_cfg.dropout > 0,
+    )
 
 
 @contextlib.contextmanager

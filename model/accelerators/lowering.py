@@ -43,7 +43,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from model.accelerators.gpu_host import HOSTS, traced_as
+from model.accelerators.gpu_host import attention_on, traced_as
 from model.decoding.programs import DEFAULT_CHUNK_SIZE
 from model.decoding.steps import (
     cached_chunk,
@@ -53,7 +53,6 @@ from model.decoding.steps import (
     uncached_chunk,
     window_size,
 )
-from model.network.attention import choose_implementation
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
 from model.serving.batch import (
@@ -331,17 +330,9 @@ def _forget_traces_of_another_host(attention: str) -> None:
 
 
 def expected_attention(program: Program, platform: str, model_cfg: ModelConfig) -> str:
-    """What the model's own choice (model/network/attention.py) picks on a `platform` host;
-    UsageError where it refuses (model.attention = "cudnn" off an NVIDIA GPU)."""
-    host_platform, capability = HOSTS[platform]
-    return choose_implementation(
-        model_cfg.attention,
-        platform=host_platform,
-        compute_capability=capability,
-        dtype=model_cfg.dtype,
-        head_dim=model_cfg.head_dim,
-        cached=not program.full_attention,
-        dropout=program.training and model_cfg.dropout > 0,
+    """What the model picks for `program` on a `platform` host (UsageError: refused)."""
+    return attention_on(
+        platform, model_cfg, cached=not program.full_attention, training=program.training
     )
 
 

@@ -189,19 +189,9 @@ def training_plan_bytes(model_cfg, train_cfg, devices: int, platform: str | None
 def training_attention(model_cfg, platform: str) -> str:
     """The attention the model picks for training on a `platform` host (UsageError:
     model.attention = "cudnn" off an NVIDIA GPU)."""
-    from model.accelerators.gpu_host import HOSTS
-    from model.network.attention import choose_implementation
+    from model.accelerators.gpu_host import attention_on
 
-    host, capability = HOSTS[platform]
-    return choose_implementation(
-        model_cfg.attention,
-        platform=host,
-        compute_capability=capability,
-        dtype=model_cfg.dtype,
-        head_dim=model_cfg.head_dim,
-        cached=False,
-        dropout=model_cfg.dropout > 0,
-    )
+    return attention_on(platform, model_cfg, cached=False, training=True)
 
 
 def activation_bytes(model_cfg, train_cfg, rows: int, platform: str | None = None) -> int:

@@ -204,17 +204,6 @@ class GPT(nnx.Module):
         rngs: nnx.Rngs | None,
     ) -> tuple[jax.Array, KVCache | None, dict[str, jax.Array]]:
         """Hidden states after the final norm [B, T, D], the updated cache, aux losses."""
-        with matmul_precision(self.cfg.matmul_precision):
-            return self._blocks(tokens_BxT, positions_T, cache, deterministic, rngs)
-
-    def _blocks(
-        self,
-        tokens_BxT: jax.Array,
-        positions_T: jax.Array,
-        cache: KVCache | None,
-        deterministic: bool,
-        rngs: nnx.Rngs | None,
-    ) -> tuple[jax.Array, KVCache | None, dict[str, jax.Array]]:
         x_BxTxD = self.wte(tokens_BxT)
         if self.wpe is not None:
             x_BxTxD = x_BxTxD + self.wpe(positions_T)[None]
@@ -224,20 +213,21 @@ class GPT(nnx.Module):
 
         aux: dict[str, jax.Array] = {}
         new_cache: KVCache | None = None if cache is None else []
-        for i, block in enumerate(self.blocks):
-            layer_cache = None if cache is None else cache[i]
-            x_BxTxD, layer_cache, block_aux = block(
-                x_BxTxD,
-                x0_BxTxD,
-                positions_T,
-                cache=layer_cache,
-                deterministic=deterministic,
-                rngs=rngs,
-            )
-            if new_cache is not None:
-                new_cache.append(layer_cache)
-            for name, value in block_aux.items():
-                aux[name] = aux.get(name, 0.0) + value
+        with matmul_precision(self.cfg.matmul_precision):  # every product of the blocks
+            for i, block in enumerate(self.blocks):
+                layer_cache = None if cache is None else cache[i]
+                x_BxTxD, layer_cache, block_aux = block(
+                    x_BxTxD,
+                    x0_BxTxD,
+                    positions_T,
+                    cache=layer_cache,
+                    deterministic=deterministic,
+                    rngs=rngs,
+                )
+                if new_cache is not None:
+                    new_cache.append(layer_cache)
+                for name, value in block_aux.items():
+                    aux[name] = aux.get(name, 0.0) + value
 
         return self.ln_f(x_BxTxD), new_cache, aux
 
