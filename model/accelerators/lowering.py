@@ -55,6 +55,7 @@ from model.decoding.steps import (
 )
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
+from model.network.params import sampling_device
 from model.serving.batch import (
     batch_chunk,
     batch_layout,
@@ -235,7 +236,7 @@ def _abstract_model(model_cfg: ModelConfig):
 def _on_device(tree):
     """Shapes of `tree`'s leaves (arrays, numpy scalars or shapes) on this process's first
     device, where --inference and --serve put everything."""
-    device = SingleDeviceSharding(jax.local_devices()[0])
+    device = SingleDeviceSharding(sampling_device())
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), tree)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,7 +237,9 @@ def kv_cache_bytes(model_cfg, rows: int) -> int:
     )
 
 
+@functools.lru_cache(maxsize=4)
 def _abstract(model_cfg):
+    """The abstract model, traced once for the plan's three uses of it."""
     from model.network.params import abstract_model
 
     return abstract_model(model_cfg)

@@ -7,10 +7,9 @@
 
 from __future__ import annotations
 
-import jax
-
 from model.decoding.steps import window_size
 from model.network.config import ModelConfig
+from model.network.params import sampling_device
 from plumbing.errors import UsageError
 from plumbing.memory import available_bytes, human_bytes
 
@@ -42,7 +41,7 @@ def check_memory(
 ) -> None:
     """Raise UsageError (one line) when num_samples would not fit in memory."""
     if available is None:
-        available = available_bytes(jax.local_devices()[0])
+        available = available_bytes(sampling_device())
     if available is None:  # cannot be told: do not refuse
         return
     per_sample = decode_bytes_per_sample(cfg, use_cache)

@@ -9,6 +9,7 @@ length or new sampling settings.
     >>> from flax import nnx
     >>> from model.network.config import ModelConfig
     >>> from model.network.gpt import GPT
+from model.network.params import sampling_device
     >>> model = GPT(ModelConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32),
     ...             rngs=nnx.Rngs(0))
     >>> compile_programs(model, num_samples=2).use_cache
@@ -34,6 +35,7 @@ from model.decoding.budget import check_memory
 from model.decoding.program_cache import ProgramCache
 from model.decoding.steps import chunk_program, refill, settings_of, start_carry
 from model.network.gpt import GPT
+from model.network.params import sampling_device
 
 # Tokens per compiled call: the streaming granularity. Per-call dispatch and the host sync
 # dominate small chunks; 16 keeps most of the throughput of much larger ones while text
@@ -186,7 +188,7 @@ def _serialized(compiled: dict) -> dict | None:
 def _deserialize(stored: Any) -> dict | None:
     """The programs of a cache entry, loaded onto the first device; None if they do not load."""
     try:
-        device = jax.local_devices()[0]
+        device = sampling_device()
         return {
             name: serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, backend=device.client, execution_devices=[device]

@@ -25,6 +25,7 @@ from flax import nnx
 from model.decoding.sampling import sample_logits
 from model.network.config import ModelConfig
 from model.network.gpt import GPT, cache_layout
+from model.network.params import sampling_device
 
 PAD_ID = -1  # what a stopped sample emits after its stop token
 
@@ -49,9 +50,7 @@ def settings_of(seed, temperature, top_k, top_p, stop_token) -> dict:
 def start_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) -> dict:
     # Committed to the device, like the compiled calls' outputs that later calls receive: an
     # uncommitted first carry would make the same program compile twice (once mid-stream).
-    # This process's own first device: with several processes, jax.devices()[0] may be another
-    # host's.
-    return jax.device_put(_host_carry(model, prompt, batch, use_cache), jax.local_devices()[0])
+    return jax.device_put(_host_carry(model, prompt, batch, use_cache), sampling_device())
 
 
 def carry_layout(cfg: ModelConfig, batch: int, use_cache: bool) -> dict:

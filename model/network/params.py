@@ -46,11 +46,18 @@ def abstract_model(cfg: ModelConfig, cache: ProgramCache | None = None) -> tuple
         params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         if cache is not None and not jax.tree_util.tree_leaves(rest):
             cache.put("abstract-model", arguments, (graphdef, params, rest))
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    device = jax.sharding.SingleDeviceSharding(sampling_device())
     params = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params
     )
     return graphdef, params, rest
+
+
+def sampling_device() -> jax.Device:
+    """Where one process samples and serves (its weights, cache and programs): its own first
+    device. With several processes, jax.devices()[0] is process 0's, which the others cannot
+    address."""
+    return jax.local_devices()[0]
 
 
 def path_names(path: tuple) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ from model.decoding.sampling import sample_logits
 from model.decoding.steps import PAD_ID, carry_layout, run_steps, zeros_like_layout
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
+from model.network.params import sampling_device
 
 ROW_FIELDS = ("cache", "ctx", "pending", "done")  # [1, ...] in a row carry, [B, ...] here
 
@@ -42,7 +43,7 @@ ROW_FIELDS = ("cache", "ctx", "pending", "done")  # [1, ...] in a row carry, [B,
 def empty_batch(model: GPT, rows: int) -> dict:
     """A batch of `rows` free slots, committed to this process's first device (see
     model.decoding.steps)."""
-    return jax.device_put(zeros_like_layout(batch_layout(model.cfg, rows)), jax.local_devices()[0])
+    return jax.device_put(zeros_like_layout(batch_layout(model.cfg, rows)), sampling_device())
 
 
 def batch_layout(cfg: ModelConfig, rows: int) -> dict:
