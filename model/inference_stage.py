@@ -24,12 +24,12 @@ from typing import TextIO
 
 from configs.schema import Config
 from model.decoding.clock import DecodeClock, timing_line
-from model.decoding.generate import check_seed, generate
+from model.decoding.generate import generate
 from model.decoding.program_cache import ProgramCache
 from model.decoding.programs import DecodePrograms, compile_programs
 from model.decoding.prompts import check_text, encode_prompt, stop_token_of
-from model.interop.hf_import import load_for_sampling
 from model.network.gpt import GPT
+from model.rundir.trained import load_for_sampling
 from plumbing.errors import UsageError
 from tokenizer import Tokenizer
 
@@ -53,7 +53,6 @@ def run_inference(
     s = cfg.sample
     if s.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be positive, got {s.max_new_tokens}")
-    check_seed(s.seed)
     if s.prompt is not None:
         check_text(s.prompt)
     tokenizer, model = load_for_sampling(run_dir, cfg.init_from, cfg.model, program_cache)

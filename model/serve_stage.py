@@ -3,9 +3,10 @@
 It loads the run, starts the engine (model/serving/engine.py: continuous batching through
 the KV cache; its programs are compiled before the server answers), binds the address, prints
 one ready line on stderr with the URL, and serves the OpenAI-compatible routes
-(model/serving/app.py) with uvicorn. Ctrl-C or SIGTERM stops it: uvicorn lets requests in
-flight finish for up to `GRACE_S` - 1 seconds (new ones get 503), then the engine answers
-what is left with an error event, and the stage ends with one line.
+(model/serving/app.py) with uvicorn. Ctrl-C or SIGTERM stops it: the listening socket closes at
+once (a new connection is refused), a new request on a connection already open gets 503,
+requests in flight may finish for up to `GRACE_S` - 1 seconds, then the engine answers what
+is left with an error event, and the stage ends with one line.
 
     >>> run_serve(cfg, Path("runs/shakespeare"))                      # doctest: +SKIP
     serve: ready on http://127.0.0.1:8000 (model shakespeare, 16 rows, queue 64); Ctrl-C stops
@@ -22,7 +23,7 @@ import threading
 from pathlib import Path
 
 from configs.schema import Config
-from model.interop.hf_import import load_for_sampling
+from model.rundir.trained import load_for_sampling
 from model.serving.config import API_KEY_ENV, ServeConfig
 from plumbing.errors import UsageError
 
@@ -33,12 +34,13 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
     """Serve `run_dir` (or, with --init-from, GPT-2 itself) until a signal stops it."""
     serve = dataclasses.replace(
         cfg.serve, api_key=cfg.serve.api_key or os.environ.get(API_KEY_ENV, "")
-    )
+    ).validate()
     require_serve_extra()
     import uvicorn
 
     from model.serving.app import build_app
     from model.serving.engine import Engine
+    from model.serving.guard import guarded_h11
 
     tokenizer, model = load_for_sampling(run_dir, cfg.init_from, cfg.model)
     name = (
@@ -55,15 +57,19 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
         chunk_steps=serve.chunk_steps,
     )
     engine.start()
-    app = build_app(engine, tokenizer, name, serve)
+    host, port = listener.getsockname()[:2]
+    app = build_app(engine, tokenizer, name, serve, port=port)
     config = uvicorn.Config(
         app,
         log_level="warning",
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=GRACE_S,
+        http=guarded_h11(serve.max_connections, serve.header_timeout_s),
+        timeout_keep_alive=5,
+        limit_concurrency=serve.max_connections,
+        h11_max_incomplete_event_size=16 * 1024,  # a request head larger than this: 400
     )
-    host, port = listener.getsockname()[:2]
     url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     if not serve.api_key and not is_loopback(serve.host):
         sys.stderr.write(
@@ -106,8 +112,10 @@ def stopping_server_class():
 
 
 def require_serve_extra() -> None:
-    """UsageError in one line when the serve extra (Starlette, uvicorn) is not installed."""
+    """UsageError in one line when the serve extra (Starlette, uvicorn, prometheus-client) is
+    not installed."""
     try:
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as err:

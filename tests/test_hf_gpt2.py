@@ -609,7 +609,7 @@ def test_tokenize_with_init_from_is_refused(gpt2_dir, tmp_path, capsys):
 
 
 def test_inference_samples_the_fine_tuned_run_once_there_is_one(tmp_path):
-    from model.interop.hf_import import started_from
+    from model.rundir.trained import started_from
 
     run = tmp_path / "run"
     assert not started_from(run, "~/models/gpt2")  # nothing trained: sample GPT-2 itself

@@ -89,7 +89,7 @@ def test_every_program_and_variant_lowers_for_every_platform():
     for name in ("muon", "adamw", "accumulation", "moe", "qat int4"):
         assert f"train step ({name})" in names
     assert {"evaluation", "refill (prefill, slides)", "cached chunk", "uncached chunk"} <= names
-    assert {"prefill_row", "put_row", "take_row", "batch_chunk"} <= names
+    assert {"scored refill", "put_row", "take_row", "batch_chunk"} <= names
     cudnn = {r.program for r in results if r.attention == "cudnn"}
     assert {(r.platform, r.dtype) for r in results if r.attention == "cudnn"} == {
         ("cuda", "bfloat16")

@@ -66,7 +66,8 @@ def inference_text(run_dir: Path, prompt: str, n: int, capsys, *sampling: str) -
 
 def post(server, path: str, body, **kwargs) -> httpx.Response:
     content = body if isinstance(body, bytes | str) else json.dumps(body)
-    return httpx.post(server.url + path, content=content, timeout=60, **kwargs)
+    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
+    return httpx.post(server.url + path, content=content, timeout=60, headers=headers, **kwargs)
 
 
 def test_models_health_and_a_completion(server):

@@ -8,7 +8,7 @@ dtypes and shardings; nothing allocated, so GPT-2 small costs what a tiny model 
                 data-parallel and FSDP) and the evaluation
     decode      --inference's refill (prompt prefill and context slides), cached chunk and
                 uncached chunk
-    serve       the server's prefill_row, put_row, take_row and batch_chunk
+    serve       the server's scored refill, put_row, take_row and batch_chunk
 
 Each is traced as a host of the platform would trace it (model/accelerators/gpu_host.py: on
 cuda in bf16 the model picks cuDNN flash attention) and lowered with
@@ -45,11 +45,11 @@ from jax.sharding import PartitionSpec as P
 
 from model.accelerators.gpu_host import attention_on, traced_as
 from model.decoding.programs import DEFAULT_CHUNK_SIZE
+from model.decoding.sampling import SamplingParams
 from model.decoding.steps import (
     cached_chunk,
     carry_layout,
     refill,
-    settings_of,
     uncached_chunk,
     window_size,
 )
@@ -60,7 +60,6 @@ from model.serving.batch import (
     batch_chunk,
     batch_layout,
     batch_settings,
-    prefill_row,
     put_row,
     take_row,
 )
@@ -182,7 +181,7 @@ def decode_programs(cfg) -> list[Program]:
             scalar = _on_device(jax.ShapeDtypeStruct((), jnp.int32))
             if program is refill:
                 return refill.trace(graphdef, state, carry, scalar, scalar, scalar)
-            settings = _on_device(settings_of(0, 1.0, 0, 1.0, None))
+            settings = _on_device(SamplingParams().settings(None))
             return program.trace(graphdef, state, carry, settings, scalar, **static)
 
         return trace
@@ -205,9 +204,11 @@ def serving_programs(cfg) -> list[Program]:
             batch = _on_device(batch_layout(model_cfg, rows))
             row = _on_device(carry_layout(model_cfg, 1, use_cache=True))
             scalar = _on_device(jax.ShapeDtypeStruct((), jnp.int32))
-            if name == "prefill_row":
+            if name == "scored refill":  # a prompt's prefill with its log-probabilities (echo)
                 width = window_size(model_cfg.block_size)
-                return prefill_row.trace(graphdef, state, row, scalar, width=width)
+                return refill.trace(
+                    graphdef, state, row, scalar, scalar, scalar, width=width, scored=True
+                )
             if name == "put_row":
                 return put_row.trace(batch, row, scalar)
             if name == "take_row":
@@ -221,7 +222,7 @@ def serving_programs(cfg) -> list[Program]:
 
         return trace
 
-    names = ("prefill_row", "put_row", "take_row", "batch_chunk")
+    names = ("scored refill", "put_row", "take_row", "batch_chunk")
     return [Program(name, tracer(name), False) for name in names]
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Self
 
+from model.decoding.sampling import SamplingParams
 from plumbing import checks
-from plumbing.errors import UsageError
 
 
 @dataclass
@@ -29,12 +29,9 @@ class SampleConfig:
         """Raise UsageError naming the first bad value; return self if all are good."""
         checks.positive("sample.max_new_tokens", self.max_new_tokens)
         checks.positive("sample.num_samples", self.num_samples)
-        checks.non_negative("sample.top_k", self.top_k)
-        checks.non_negative("sample.temperature", self.temperature)
-        if not 0 <= self.seed <= checks.INT32_MAX:  # sampling takes it as a traced int32
-            raise UsageError(
-                f"sample.seed must be in 0..{checks.INT32_MAX} (2**31-1), got {self.seed}"
-            )
-        if not 0 < self.top_p <= 1:
-            raise UsageError(f"sample.top_p must be in (0, 1], got {self.top_p}")
+        self.sampling.checked(prefix="sample.")
         return self
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)

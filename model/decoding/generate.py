@@ -50,13 +50,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import jax
 import numpy as np
 from flax import nnx
 
 from model.decoding.budget import check_memory
 from model.decoding.programs import DEFAULT_CHUNK_SIZE, DecodePrograms, jit_programs
-from model.decoding.sampling import check_sampling
-from model.decoding.steps import PAD_ID, settings_of, start_carry, window_size
+from model.decoding.sampling import SamplingParams
+from model.decoding.steps import PAD_ID, start_carry, window_size
 from model.network.gpt import GPT
 from plumbing.errors import UsageError
 
@@ -90,8 +91,7 @@ def generate(
     if stop_token is not None and not 0 <= stop_token < model.cfg.vocab_size:
         raise UsageError(f"stop_token must be in 0..{model.cfg.vocab_size - 1}, got {stop_token!r}")
     check_memory(model.cfg, num_samples, use_cache)
-    check_seed(seed)
-    check_sampling(temperature, top_k, top_p)
+    params = SamplingParams(temperature, top_k, top_p, seed).checked()
     if programs is None:
         programs = jit_programs(model, use_cache=use_cache, chunk_size=chunk_size)
     elif not programs.serve(num_samples, use_cache, chunk_size):
@@ -100,7 +100,7 @@ def generate(
             f"use_cache={programs.use_cache}, chunk_size={programs.chunk_size}: not for "
             f"{num_samples}, {use_cache}, {chunk_size}"
         )
-    settings = settings_of(seed, temperature, top_k, top_p, stop_token)
+    settings = params.settings(stop_token)
     return _stream(model, programs, prompt, max_new_tokens, settings, num_samples, stop_token)
 
 
@@ -127,14 +127,6 @@ def _check_counts(**counts: int) -> None:
     for name, value in counts.items():
         if not isinstance(value, int) or value < 1:
             raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def check_seed(seed: int) -> None:
-    """Raise UsageError unless seed is an int32, the range the compiled programs take it in."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise UsageError(f"seed must be an integer, got {seed!r}")
-    if not -(2**31) <= seed < 2**31:
-        raise UsageError(f"seed must be in -2147483648..2147483647, got {seed}")
 
 
 def generate_all(model: GPT, prompt_ids: list[int] | np.ndarray, **kwargs) -> np.ndarray:
@@ -183,14 +175,33 @@ def _stream(
 def refill_pieces(refill, state, carry, *, shift: int, keep: int, window: int) -> dict:
     """Move ctx[shift:shift + keep] to positions 0..keep-1 and write them into the cache, in
     pieces of `window` tokens (at most two: keep < block_size); pos becomes keep. A prompt
-    (shift 0, keep = its length - 1) and a slide (shift = block_size - keep) alike; the
-    server (model.serving) runs it on one request's row."""
-    for piece, start in enumerate(range(0, max(keep, 1), window)):
-        carry = refill(
-            state,
-            carry,
-            np.int32(shift if piece == 0 else 0),
-            np.int32(start),
-            np.int32(keep),
+    (shift 0, keep = its length - 1) and a slide (shift = block_size - keep) alike."""
+
+    def run(carry, shift, start, keep, width):
+        return refill(state, carry, shift, start, keep), None
+
+    return prefill_pieces(run, carry, shift=shift, keep=keep, widths=(window,))[0]
+
+
+def prefill_pieces(run, carry, *, shift: int, keep: int, widths, start: int = 0):
+    """`refill_pieces` for any piece widths, from position `start` on (the cache already holds
+    the context before it: a reused prefix). Each piece is the narrowest of `widths` that holds
+    the rest of the context, else the widest, placed so that it ends within the context.
+    `run(carry, shift, start, keep, width) -> (carry, scores or None)` runs one piece (the
+    `refill` program). Returns (carry, scores): with scores, host arrays [B, keep - start, ...]
+    for positions start..keep-1 (`token_scores` of the token after each), else None."""
+    size = carry["ctx"].shape[1]
+    parts, first = [], True
+    while first or start < keep:
+        width = next((w for w in sorted(widths) if w >= keep - start), max(widths))
+        at = min(start, size - width)
+        carry, scores = run(
+            carry, np.int32(shift if first else 0), np.int32(at), np.int32(keep), width
         )
-    return carry
+        if scores is not None:
+            lo, hi = start - at, min(at + width, keep) - at
+            parts.append(jax.tree.map(lambda x, lo=lo, hi=hi: np.asarray(x)[:, lo:hi], scores))
+        start, first = at + width, False
+    if not parts:
+        return carry, None
+    return carry, jax.tree.map(lambda *xs: np.concatenate(xs, axis=1), *parts)

@@ -9,7 +9,6 @@ length or new sampling settings.
     >>> from flax import nnx
     >>> from model.network.config import ModelConfig
     >>> from model.network.gpt import GPT
-from model.network.params import sampling_device
     >>> model = GPT(ModelConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32),
     ...             rngs=nnx.Rngs(0))
     >>> compile_programs(model, num_samples=2).use_cache
@@ -33,7 +32,8 @@ from jax.experimental import serialize_executable
 
 from model.decoding.budget import check_memory
 from model.decoding.program_cache import ProgramCache
-from model.decoding.steps import chunk_program, refill, settings_of, start_carry
+from model.decoding.sampling import SamplingParams
+from model.decoding.steps import chunk_program, refill, start_carry
 from model.network.gpt import GPT
 from model.network.params import sampling_device
 
@@ -131,7 +131,7 @@ def _example_args(model: GPT, num_samples: int, use_cache: bool) -> dict[str, tu
     def carry():
         return start_carry(model, np.zeros(1, np.int32), num_samples, use_cache)
 
-    args = {"chunk": (state, carry(), settings_of(0, 1.0, 0, 1.0, None), zero)}
+    args = {"chunk": (state, carry(), SamplingParams().settings(None), zero)}
     if use_cache:
         args["refill"] = (state, carry(), zero, zero, zero)
     return args

@@ -16,13 +16,14 @@ The carry, what one compiled call hands the next:
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.decoding.sampling import sample_logits
+from model.decoding.sampling import sample_logits, token_scores
 from model.network.config import ModelConfig
 from model.network.gpt import GPT, cache_layout
 from model.network.params import sampling_device
@@ -33,18 +34,6 @@ PAD_ID = -1  # what a stopped sample emits after its stop token
 def window_size(block_size: int) -> int:
     """Tokens kept when the context is full (the newest included): block_size // 2, >= 1."""
     return max(1, block_size // 2)
-
-
-def settings_of(seed, temperature, top_k, top_p, stop_token) -> dict:
-    """Plain numpy scalars: traced by the compiled programs, so nothing compiles eagerly for
-    them (the key is made from the seed inside the programs)."""
-    return {
-        "seed": np.int32(seed),
-        "temperature": np.float32(temperature),
-        "top_k": np.int32(top_k),
-        "top_p": np.float32(top_p),
-        "stop": np.int32(-1 if stop_token is None else stop_token),
-    }
 
 
 def start_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) -> dict:
@@ -82,18 +71,32 @@ def _host_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) -> 
     return carry
 
 
-@partial(jax.jit, static_argnums=0, donate_argnums=2)
-def refill(graphdef, state, carry: dict, shift, start, keep) -> dict:
-    """Roll ctx left by `shift`, then run ctx[start:start + window] at positions start.. into
-    the cache. Tokens past `keep` in the piece are padding: their slots are written too, but
-    masked by position and overwritten before any query can see them."""
+@partial(jax.jit, static_argnums=0, static_argnames=("width", "scored"), donate_argnums=2)
+def refill(graphdef, state, carry: dict, shift, start, keep, *, width=None, scored=False):
+    """The one prefill: roll ctx left by `shift`, then run ctx[start:start + width] at
+    positions start.. into the cache (width: the refill window, block_size // 2, unless a
+    caller picks a narrower piece for a short prompt). Tokens past `keep` in the piece are
+    padding: their slots are written too, but masked by position and overwritten before any
+    query can see them. The caller keeps start + width <= block_size.
+
+    With `scored`, returns (carry, scores): `token_scores` of each piece position j for the
+    token that follows it (ctx[start + j + 1], or the pending token at keep - 1), [B, width]."""
     model = nnx.merge(graphdef, state)
-    window = window_size(model.cfg.block_size)
+    width = width or window_size(model.cfg.block_size)
     ctx_BxS = jnp.roll(carry["ctx"], -shift, axis=1)
-    piece_BxW = jax.lax.dynamic_slice_in_dim(ctx_BxS, start, window, axis=1)
-    # Only the cache is used, so XLA drops the logits of the last position.
-    _, cache = model.decode(piece_BxW, carry["cache"], start, last_only=True)
-    return {**carry, "cache": cache, "ctx": ctx_BxS, "pos": keep}
+    piece_BxW = jax.lax.dynamic_slice_in_dim(ctx_BxS, start, width, axis=1)
+    # Unscored, only the cache is used, so XLA drops the logits of the last position too.
+    logits_BxWxV, cache = model.decode(piece_BxW, carry["cache"], start, last_only=not scored)
+    carry = {**carry, "cache": cache, "ctx": ctx_BxS, "pos": keep}
+    if not scored:
+        return carry
+    after_Bx1 = jnp.broadcast_to(carry["pending"][:, None], (ctx_BxS.shape[0], 1))
+    next_BxW = jax.lax.dynamic_slice_in_dim(
+        jnp.concatenate([ctx_BxS, after_Bx1], axis=1), start + 1, width, axis=1
+    )
+    positions_W = start + 1 + jnp.arange(width)
+    next_BxW = jnp.where(positions_W == keep, carry["pending"][:, None], next_BxW)
+    return carry, token_scores(logits_BxWxV, next_BxW)
 
 
 def _sample_step(logits_BxV: jax.Array, carry: dict, settings: dict) -> tuple[dict, jax.Array]:
@@ -112,18 +115,23 @@ def _sample_step(logits_BxV: jax.Array, carry: dict, settings: dict) -> tuple[di
     return carry, emitted_B
 
 
-def run_steps(step, carry: dict, n_steps, chunk_size: int) -> tuple[dict, jax.Array]:
-    """n_steps (traced, <= chunk_size) calls of `step`; tokens [B, chunk_size], PAD past n.
+def run_steps(step, carry: dict, n_steps, chunk_size: int) -> tuple[dict, Any]:
+    """n_steps (traced, <= chunk_size) calls of `step(carry) -> (carry, out)`; each leaf of
+    `out` ([B, ...]) comes back as [B, chunk_size, ...], PAD_ID (integers) or 0 past n.
     The serving batch (model/serving/batch.py) runs its steps through it too."""
-    batch = carry["pending"].shape[0]
+    shapes = jax.eval_shape(step, carry)[1]
+
+    def buffer(s):
+        fill = PAD_ID if jnp.issubdtype(s.dtype, jnp.integer) else 0
+        return jnp.full((s.shape[0], chunk_size, *s.shape[1:]), fill, s.dtype)
 
     def body(i, state):
-        c, out_BxC = state
-        c, token_B = step(c)
-        return c, jax.lax.dynamic_update_slice(out_BxC, token_B[:, None], (0, i))
+        c, outs = state
+        c, out = step(c)
+        put = partial(jax.lax.dynamic_update_index_in_dim, index=i, axis=1)
+        return c, jax.tree.map(lambda buf, x: put(buf, x), outs, out)
 
-    out_BxC = jnp.full((batch, chunk_size), PAD_ID, jnp.int32)
-    return jax.lax.fori_loop(0, n_steps, body, (carry, out_BxC))
+    return jax.lax.fori_loop(0, n_steps, body, (carry, jax.tree.map(buffer, shapes)))
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",), donate_argnums=2)

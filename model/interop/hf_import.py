@@ -37,7 +37,6 @@ from model.interop.hf_format import (
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
 from model.network.params import abstract_model
-from model.rundir.layout import CONFIG_FILE, has_checkpoint, has_quantized_checkpoint
 from plumbing.errors import UsageError
 from tokenizer import BPETokenizer
 
@@ -144,30 +143,3 @@ def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) ->
         ) from None
     check_tensor_shapes(shapes, abstract_model(model_cfg)[1], directory / WEIGHTS)
     tokenizer.save(path)
-
-
-def started_from(run_dir: Path, init_from: str) -> bool:
-    """Whether run_dir holds a model fine-tuned from `init_from` (then --inference samples
-    the fine-tuned model rather than the original)."""
-    run_dir = Path(run_dir)
-    if not (has_checkpoint(run_dir) or has_quantized_checkpoint(run_dir)):
-        return False
-    try:
-        saved = json.loads((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(saved, dict) and saved.get("init_from") == init_from
-
-
-def load_for_sampling(
-    run_dir: Path, init_from: str, base: ModelConfig, cache=None
-) -> tuple[Any, GPT]:
-    """(tokenizer, model) that --inference and --serve sample: GPT-2 itself for `init_from`
-    (unless run_dir holds a model fine-tuned from it), else the run's newest intact weights
-    (`cache`: a ProgramCache keeping the abstract model)."""
-    if init_from and not started_from(run_dir, init_from):
-        return load_hf_gpt2(init_from, base)
-    from model.rundir.trained import open_trained_run
-
-    tokenizer, model, _ = open_trained_run(run_dir).load(cache)
-    return tokenizer, model

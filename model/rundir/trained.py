@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from flax import nnx
 
-from model.network.config import model_config_of
+from model.network.config import ModelConfig, model_config_of
 from model.network.gpt import GPT
 from model.network.params import abstract_model
 from model.quantization.checkpoint import load_quantized_model, read_quantized_meta
@@ -147,3 +147,30 @@ def _restore_newest(run_dir: Path, cache: ProgramCache | None = None):
     finally:
         checkpoints.close()
     return graphdef, params, rest, meta
+
+
+def started_from(run_dir: Path, init_from: str) -> bool:
+    """Whether run_dir holds a model fine-tuned from `init_from` (then --inference samples
+    the fine-tuned model rather than the original)."""
+    run_dir = Path(run_dir)
+    if not (has_checkpoint(run_dir) or has_quantized_checkpoint(run_dir)):
+        return False
+    try:
+        saved = json.loads((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and saved.get("init_from") == init_from
+
+
+def load_for_sampling(
+    run_dir: Path, init_from: str, base: ModelConfig, cache=None
+) -> tuple[Tokenizer, GPT]:
+    """(tokenizer, model) that --inference and --serve sample: GPT-2 itself for `init_from`
+    (unless run_dir holds a model fine-tuned from it), else the run's newest intact weights
+    (`cache`: a ProgramCache keeping the abstract model)."""
+    if init_from and not started_from(run_dir, init_from):
+        from model.interop.hf_import import load_hf_gpt2  # the interop layer, only when asked
+
+        return load_hf_gpt2(init_from, base)
+    tokenizer, model, _ = open_trained_run(run_dir).load(cache)
+    return tokenizer, model

@@ -1,13 +1,23 @@
 """The HTTP side of `--serve`: OpenAI-compatible routes on Starlette, answered by the engine.
 
-Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or
-server-sent events with `"stream": true`: chunks, then `data: [DONE]`), `GET /health` (the
-model, the queue length, the rows in use and the tokens served) and `GET /` (the playground
-page). With an API key, the `/v1` routes want `Authorization: Bearer KEY` (401 otherwise).
+Routes:
+- `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent
+  events with `"stream": true`: chunks, then `data: [DONE]`);
+- vLLM's tokenizer routes, which lm-evaluation-harness's `tokenizer_backend=remote` uses:
+  `GET /tokenizer_info`, `POST /tokenize` (`{"prompt"}` -> `{"tokens", "count",
+  "max_model_len"}`) and `POST /detokenize` (`{"tokens"}` -> `{"prompt"}`);
+- `GET /health` (the model, the queue length, the rows in use, the tokens served),
+  `GET /metrics` (Prometheus) and `GET /` (the playground page).
+
+With an API key, every route but `/`, `/health` and (unless serve.metrics_public=false)
+`/metrics` wants `Authorization: Bearer KEY` (401 otherwise).
 
 Every refusal is JSON, `{"error": {"message": ...}}`: 400 for a bad body or field, 401, 404,
-405, 413 for a body over `serve.max_request_bytes`, 429 when the queue is full and 503 while
-the server shuts down. Prompts are tokenized off the event loop; the engine thread decodes.
+405, 408 for a body not sent within serve.request_timeout_s, 413 for a body over
+serve.max_request_bytes, 415 for a body that is not JSON, 421 for a foreign Host (see
+model/serving/guard.py), 429 when the queue is full, 503 while the server shuts down or
+buffers too many bodies at once. Prompts are tokenized off the event loop; the engine thread
+decodes.
 
     >>> app = build_app(engine, tokenizer, "shakespeare", ServeConfig())  # doctest: +SKIP
 """
@@ -17,19 +27,24 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from model.decoding.prompts import encode_prompt
+from model.decoding.prompts import END_OF_TEXT, encode_prompt, stop_token_of
 from model.serving.config import ServeConfig
-from model.serving.engine import Engine, QueueFull, Request
+from model.serving.engine import Engine, EngineStopping, QueueFull, Request
+from model.serving.guard import HostCheck, bound_hosts
+from model.serving.logprobs import Scored, chat_logprobs, completion_logprobs
+from model.serving.metrics import ServeMetrics
 from model.serving.openai_api import (
     ApiError,
     Completion,
@@ -46,24 +61,81 @@ from tokenizer import Tokenizer
 PLAYGROUND = Path(__file__).with_name("playground.html")
 
 
+class Gone(Exception):
+    """The client left before its request was read: nobody to answer."""
+
+
+class Job:
+    """One prompt's engine request and what comes back for it (events arrive on the loop)."""
+
+    def __init__(self, index: int, ids: list[int], text: str, completion: Completion, loop):
+        self.index, self.ids, self.prompt_text = index, ids, text
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.request = Request(
+            prompt_ids=ids,
+            max_tokens=completion.max_tokens,
+            on_event=lambda kind, data: loop.call_soon_threadsafe(
+                self.events.put_nowait, (kind, data)
+            ),
+            sampling=completion.sampling,
+            stop=completion.stop,
+            logprobs=completion.logprobs,
+            echo=completion.echo,
+        )
+        self.pieces: list[str] = []
+        self.scored = Scored()
+        self.done: dict | None = None
+        self.queued_at = time.perf_counter()
+        self.first_at: float | None = None
+
+    async def next_event(self) -> tuple[str, Any]:
+        """The next event, with the prompt's and tokens' scores recorded on the way."""
+        kind, data = await self.events.get()
+        if kind == "prompt":
+            self.scored.add(self.ids[:1], None)
+            self.scored.add(self.ids[1:], data)
+        elif kind in ("tokens", "text") and self.first_at is None:
+            self.first_at = time.perf_counter()
+        if kind == "tokens":
+            self.scored.add(data["token"], data)
+        elif kind == "text":
+            self.pieces.append(data)
+        elif kind == "done":
+            self.done = data
+        return kind, data
+
+    async def finish(self) -> str | None:
+        """Wait for the end: None when done, else why not ("gone", or the error message)."""
+        while True:
+            kind, data = await self.next_event()
+            if kind == "done":
+                return None
+            if kind in ("gone", "error"):
+                return "gone" if kind == "gone" else data
+
+
 class Server:
-    """The routes' shared state: the engine, the tokenizer, the limits and the key."""
+    """The routes' shared state: the engine, the tokenizer, the limits, the key, the counts."""
 
     def __init__(
         self, engine: Engine, tokenizer: Tokenizer, model_name: str, cfg: ServeConfig
     ) -> None:
         self.engine, self.tokenizer, self.model_name, self.cfg = engine, tokenizer, model_name, cfg
-        block = engine.model.cfg.block_size
-        self.max_prompt = min(cfg.max_prompt_tokens or block, block)
+        self.block = engine.model.cfg.block_size
+        self.vocab_size = engine.model.cfg.vocab_size
+        self.max_prompt = min(cfg.max_prompt_tokens or self.block, self.block)
         longest = max(len(token) for token in tokenizer.vocab.values())
         # A prompt of more bytes than this cannot fit, whatever it is: refused before encoding.
         self.max_prompt_bytes = self.max_prompt * max(longest, 1)
+        self.buffered = 0  # request-body bytes held by all requests now being read
+        self.metrics = ServeMetrics(engine.stats)
 
     # -- routes ---------------------------------------------------------------------------------
 
     async def models(self, request: HttpRequest) -> JSONResponse:
         self.authorize(request)
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tinyllm"}
+        card["max_model_len"] = self.block
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: HttpRequest) -> JSONResponse:
@@ -71,8 +143,51 @@ class Server:
         code = 200 if stats["status"] == "ok" else 503
         return JSONResponse({"model": self.model_name, **stats}, status_code=code)
 
+    async def metrics_route(self, request: HttpRequest) -> Response:
+        if not self.cfg.metrics_public:
+            self.authorize(request)
+        body, kind = self.metrics.render()
+        return Response(body, media_type=kind)
+
     async def playground(self, request: HttpRequest) -> FileResponse:
         return FileResponse(PLAYGROUND, media_type="text/html")
+
+    async def tokenizer_info(self, request: HttpRequest) -> JSONResponse:
+        self.authorize(request)
+        eos = END_OF_TEXT if stop_token_of(self.tokenizer) is not None else None
+        return JSONResponse(
+            {
+                "tokenizer_class": type(self.tokenizer).__name__,
+                "eos_token": eos,
+                "bos_token": None,
+                "pad_token": None,
+                "model_max_length": self.block,
+                "vocab_size": self.vocab_size,
+            }
+        )
+
+    async def tokenize(self, request: HttpRequest) -> JSONResponse:
+        self.authorize(request)
+        body = await self.body(request)
+        text = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise ApiError(400, "'prompt' is required and must be a string")
+        if len(text) > self.cfg.max_request_bytes:
+            raise ApiError(413, self._too_large())
+        try:
+            tokens = await run_in_threadpool(self.tokenizer.encode, text)
+        except (UnicodeError, UsageError):
+            raise ApiError(400, "'prompt' is not valid Unicode text") from None
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.block})
+
+    async def detokenize(self, request: HttpRequest) -> JSONResponse:
+        self.authorize(request)
+        body = await self.body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list):
+            raise ApiError(400, "'tokens' is required and must be a list of token ids")
+        self.check_ids(tokens, "tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(tokens)})
 
     async def completions(self, request: HttpRequest):
         self.authorize(request)
@@ -90,124 +205,189 @@ class Server:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+        # Headers reach us as latin-1 text: compare their bytes (a non-ASCII one cannot match).
+        matches = secrets.compare_digest(token.strip().encode("latin-1"), key.encode("ascii"))
+        if scheme.lower() != "bearer" or not matches:
             raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY", "auth")
 
     async def body(self, request: HttpRequest) -> Any:
+        """The JSON body: its size, the bytes buffered across requests and the time to send it
+        are bounded."""
+        limit = self.cfg.max_request_bytes
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.cfg.max_request_bytes:
+        if declared and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, self._too_large())
         data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > self.cfg.max_request_bytes:
-                raise ApiError(413, self._too_large())
+        try:
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                async for part in request.stream():
+                    if self.buffered + len(part) > self.cfg.max_buffered_bytes:
+                        raise ApiError(503, "the server is reading too many bodies: retry later")
+                    data += part
+                    self.buffered += len(part)
+                    if len(data) > limit:
+                        raise ApiError(413, self._too_large())
+        except TimeoutError:
+            raise ApiError(408, "the request body was not sent in time") from None
+        except ClientDisconnect:
+            raise Gone from None
+        finally:
+            self.buffered -= len(data)
         try:
             return json.loads(data)
         except (ValueError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
 
     def _too_large(self) -> str:
         return f"the request body is larger than {self.cfg.max_request_bytes} bytes"
 
-    def encode(self, prompt: str) -> list[int]:
-        if len(prompt.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
-            raise ApiError(400, self._prompt_too_long())
-        try:
-            ids = encode_prompt(self.tokenizer, prompt, self.engine.model.cfg.block_size)
-        except UsageError as err:
-            raise ApiError(400, f"the prompt cannot be used: {err}") from None
+    def check_ids(self, ids: list, what: str) -> None:
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
+        bad = bad or [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(
+                400, f"'{what}' must be token ids in 0..{self.vocab_size - 1}, got {bad[0]!r}"[:200]
+            )
+
+    def encode(self, prompt: str | list[int]) -> tuple[list[int], str]:
+        """(token ids, text) of one prompt, checked against the context."""
+        if isinstance(prompt, list):
+            self.check_ids(prompt, "prompt")
+            ids = prompt
+        else:
+            if len(prompt.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
+                raise ApiError(400, self._prompt_too_long())
+            try:
+                ids = encode_prompt(self.tokenizer, prompt, self.block)
+            except UsageError as err:
+                raise ApiError(400, f"the prompt cannot be used: {err}") from None
         if len(ids) > self.max_prompt:
             raise ApiError(400, self._prompt_too_long(len(ids)))
-        return ids
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        return ids, text
 
     def _prompt_too_long(self, n: int | None = None) -> str:
         size = f"{n} tokens" if n is not None else "too long"
         return f"the prompt is {size}; this server takes at most {self.max_prompt} tokens"
 
     async def answer(self, http: HttpRequest, completion: Completion):
-        ids = await run_in_threadpool(self.encode, completion.prompt)
+        prompts = await run_in_threadpool(lambda: [self.encode(p) for p in completion.prompts])
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        job = Request(
-            prompt_ids=ids,
-            max_tokens=completion.max_tokens,
-            on_event=lambda kind, data: loop.call_soon_threadsafe(events.put_nowait, (kind, data)),
-            temperature=completion.temperature,
-            top_k=completion.top_k,
-            top_p=completion.top_p,
-            seed=completion.seed,
-            stop=completion.stop,
-        )
+        jobs = [Job(i, ids, text, completion, loop) for i, (ids, text) in enumerate(prompts)]
         try:
-            self.engine.submit(job)
-        except QueueFull as full:
-            stopping = "queue is full" not in str(full)
-            raise ApiError(503 if stopping else 429, str(full), "server_busy") from None
+            for job in jobs:
+                self.engine.submit(job.request)
+        except (QueueFull, EngineStopping) as busy:
+            for job in jobs:
+                job.request.cancel()
+            status = 429 if isinstance(busy, QueueFull) else 503
+            raise ApiError(status, str(busy), "server_busy") from None
         ident = new_id(completion.chat)
+        watcher = asyncio.create_task(self.watch(http, jobs))
         if completion.stream:
             return StreamingResponse(
-                self.stream(http, job, events, ident, completion.chat),
+                self.stream(watcher, jobs[0], ident, completion),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await self.whole(http, job, events, ident, completion.chat)
-
-    async def whole(self, http, job: Request, events: asyncio.Queue, ident: str, chat: bool):
-        watcher = asyncio.create_task(self.watch(http, job, events))
-        pieces = []
         try:
-            while True:
-                kind, data = await events.get()
-                if kind == "text":
-                    pieces.append(data)
-                elif kind == "gone":
-                    return Response(status_code=499)  # nobody is there to read it
-                elif kind == "error":
-                    raise ApiError(503, data, "server_error")
-                else:
-                    answer = envelope(
-                        ident,
-                        self.model_name,
-                        chat,
-                        chunk=False,
-                        choices=[choice("".join(pieces), data["finish_reason"], chat, False, True)],
-                    )
-                    return JSONResponse({**answer, "usage": usage(data)})
+            outcomes = await asyncio.gather(*(job.finish() for job in jobs))
         finally:
             watcher.cancel()
-            job.cancel()  # a no-op once done
+            for job in jobs:
+                job.request.cancel()  # a no-op once done
+        if "gone" in outcomes:
+            return Response(status_code=499)  # nobody is there to read it
+        failed = [o for o in outcomes if o is not None]
+        if failed:
+            raise ApiError(503, failed[0], "server_error")
+        for job in jobs:
+            self.record(job)
+        choices = [self.choice_of(job, completion) for job in jobs]
+        answer = envelope(ident, self.model_name, completion.chat, False, choices)
+        return JSONResponse({**answer, "usage": usage([job.done for job in jobs])})
 
-    async def watch(self, http: HttpRequest, job: Request, events: asyncio.Queue) -> None:
-        """A client that leaves, while its request waits in the queue or is decoded, cancels
-        it: its row is freed at the next chunk boundary."""
+    def choice_of(self, job: Job, completion: Completion) -> dict:
+        text = "".join(job.pieces)
+        offset = 0
+        if completion.echo:
+            text, offset = job.prompt_text + text, 0
+        logprobs = None
+        if completion.logprobs is not None:
+            if completion.chat:
+                logprobs = chat_logprobs(self.tokenizer, job.scored, completion.logprobs)
+            else:
+                logprobs = completion_logprobs(
+                    self.tokenizer, job.scored, completion.logprobs, offset
+                )
+        finish = job.done["finish_reason"]
+        return choice(text, finish, completion.chat, False, True, job.index, logprobs)
+
+    def record(self, job: Job) -> None:
+        done, now = job.done, time.perf_counter()
+        first = None if job.first_at is None else job.first_at - job.queued_at
+        rest = 0.0 if job.first_at is None else now - job.first_at
+        self.metrics.finished(done["prompt_tokens"], done["completion_tokens"], first, rest)
+
+    async def watch(self, http: HttpRequest, jobs: list[Job]) -> None:
+        """A client that leaves, while its requests wait in the queue or are decoded, cancels
+        them: their rows are freed at the next chunk boundary."""
         while (await http.receive())["type"] != "http.disconnect":
             pass
-        job.cancel()
-        events.put_nowait(("gone", None))
+        for job in jobs:
+            job.request.cancel()
+            job.events.put_nowait(("gone", None))
 
-    async def stream(self, http, job: Request, events: asyncio.Queue, ident: str, chat: bool):
-        watcher = asyncio.create_task(self.watch(http, job, events))
-        first = True
+    async def stream(self, watcher, job: Job, ident: str, completion: Completion):
+        chat, first = completion.chat, True
+        scored_sent = 0
         try:
+            if completion.echo:
+                text = job.prompt_text
+                while completion.logprobs is not None and not job.scored.ids:
+                    kind, data = await job.next_event()  # the prompt's scores come first
+                    if kind in ("gone", "error"):
+                        return
+                logprobs, scored_sent = self._stream_logprobs(job, completion, 0, 0)
+                part = choice(text, None, chat, delta=True, first=True, logprobs=logprobs)
+                first = False
+                yield _sse(envelope(ident, self.model_name, chat, True, [part]))
+            offset = len(job.prompt_text) if completion.echo else 0
             while True:
-                kind, data = await events.get()
+                kind, data = await job.next_event()
                 if kind == "gone":
                     return
                 if kind == "error":
                     yield _sse(ApiError(503, data, "server_error").body())
                     return
+                if kind not in ("text", "done"):
+                    continue
                 text = data if kind == "text" else ""
                 finish = data["finish_reason"] if kind == "done" else None
-                part = choice(text, finish, chat, delta=True, first=first)
+                logprobs, sent = self._stream_logprobs(job, completion, scored_sent, offset)
+                scored_sent += sent
+                part = choice(text, finish, chat, True, first, logprobs=logprobs)
+                offset += len(text)
                 first = False
                 yield _sse(envelope(ident, self.model_name, chat, True, [part]))
                 if kind == "done":
+                    self.record(job)
                     yield "data: [DONE]\n\n"
                     return
         finally:
             watcher.cancel()
-            job.cancel()  # the client disconnected mid-stream: its row is freed
+            job.request.cancel()  # the client disconnected mid-stream: its row is freed
+
+    def _stream_logprobs(self, job: Job, completion: Completion, start: int, offset: int):
+        """(the logprobs of the tokens scored since `start`, how many), or (None, 0)."""
+        if completion.logprobs is None:
+            return None, 0
+        part = Scored(job.scored.ids[start:], job.scored.logprobs[start:], job.scored.top[start:])
+        if completion.chat:
+            return chat_logprobs(self.tokenizer, part, completion.logprobs), len(part.ids)
+        return completion_logprobs(self.tokenizer, part, completion.logprobs, offset), len(part.ids)
 
 
 def _sse(payload: dict) -> str:
@@ -218,6 +398,10 @@ async def _api_error(request: HttpRequest, err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
+async def _gone(request: HttpRequest, err: Gone) -> Response:
+    return Response(status_code=499)
+
+
 async def _http_error(request: HttpRequest, err: HTTPException) -> JSONResponse:
     message = {404: "no such route", 405: "method not allowed"}.get(err.status_code, err.detail)
     return JSONResponse(
@@ -226,17 +410,70 @@ async def _http_error(request: HttpRequest, err: HTTPException) -> JSONResponse:
     )
 
 
-def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, cfg: ServeConfig) -> Starlette:
-    """The Starlette application (see the module docstring)."""
+async def _server_error(request: HttpRequest, err: Exception) -> JSONResponse:
+    """A bug: still JSON (the traceback goes to the server's log)."""
+    body = ApiError(500, f"internal error ({type(err).__name__}): see the server's log").body()
+    return JSONResponse(body, status_code=500)
+
+
+def build_app(
+    engine: Engine, tokenizer: Tokenizer, model_name: str, cfg: ServeConfig, port: int = 0
+):
+    """The ASGI application (see the module docstring): Starlette behind the Host check."""
     server = Server(engine, tokenizer, model_name, cfg)
     routes = [
         Route("/", server.playground, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_route, methods=["GET"]),
+        Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes,
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        exception_handlers={
+            ApiError: _api_error,
+            Gone: _gone,
+            HTTPException: _http_error,
+            Exception: _server_error,
+        },
     )
+    app.state.server = server
+    counted = _Counted(app, server.metrics)
+    allowed = bound_hosts(cfg.host, port, cfg.allowed_hosts)
+    return HostCheck(counted, allowed, cfg.allowed_hosts, keyed=bool(cfg.api_key))
+
+
+class _Counted:
+    """ASGI middleware: every answer counted by route and status."""
+
+    def __init__(self, app, metrics: ServeMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                route = scope["path"] if scope["path"] in _ROUTES else "other"
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        return await self.app(scope, receive, counting_send)
+
+
+_ROUTES = {
+    "/",
+    "/health",
+    "/metrics",
+    "/tokenizer_info",
+    "/tokenize",
+    "/detokenize",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+}

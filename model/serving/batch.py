@@ -3,11 +3,10 @@
 A row is one request's decoding state in the batch: its KV cache rows, its context, its
 position, its pending token and its step count. Rows move at their own positions (per-row
 lengths), so requests of any prompt length share one decode step. A request's prompt goes
-into the cache on its own (`prefill_row`: one forward pass as wide as the prompt needs, or
-`--inference`'s own `refill` program for a prompt longer than its window), and the row is
-then put into a free slot of the batch (`put_row`); a row whose context is full is taken out
-(`take_row`), slid by `--inference`'s `refill` program and put back. So a request sees the
-context policy of `--inference`.
+into the cache on its own, through `--inference`'s one prefill program (model.decoding.steps
+`refill`, in a piece as wide as the prompt needs), and the row is then put into its slot of
+the batch (`put_row`); a row whose context is full is taken out (`take_row`), slid by the
+same program and put back. So a request sees the context policy of `--inference`.
 
 The decode step (`batch_chunk`) runs the model's single-row cached decode under `jax.vmap`:
 every row writes its k/v at its own position and attends over its own cache slots, and
@@ -18,8 +17,10 @@ power of two (each such count is its own compiled program, all compiled at start
 
     >>> batch = empty_batch(model, rows=4)                           # doctest: +SKIP
     >>> batch = put_row(batch, row_carry, np.int32(2))
-    >>> batch, tokens_BxC = batch_chunk(graphdef, state, batch, settings, active, np.int32(4),
-    ...                                 chunk_size=8, rows=4)
+    >>> batch, out = batch_chunk(graphdef, state, batch, settings, active, np.int32(4),
+    ...                          chunk_size=8, rows=4)
+    >>> out["token"].shape
+    (4, 8)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.decoding.sampling import sample_logits
+from model.decoding.sampling import sample_logits, token_scores
 from model.decoding.steps import PAD_ID, carry_layout, run_steps, zeros_like_layout
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
@@ -62,18 +63,6 @@ def batch_settings(rows: int) -> dict[str, np.ndarray]:
         "top_p": np.ones((rows,), np.float32),
         "stop": np.full((rows,), -1, np.int32),
     }
-
-
-@partial(jax.jit, static_argnums=0, static_argnames=("width",), donate_argnums=2)
-def prefill_row(graphdef, state, row: dict, keep, *, width: int) -> dict:
-    """A single-row carry with its first `keep` context tokens (a prompt's, all but the last)
-    written into its cache, in one piece of `width` >= keep tokens (the rest is padding,
-    masked by position and overwritten before any query sees it). Widths come in a few sizes
-    up to --inference's refill window, so a short prompt costs a short forward pass."""
-    model = nnx.merge(graphdef, state)
-    piece_1xW = row["ctx"][:, :width]
-    _, cache = model.decode(piece_1xW, row["cache"], 0, last_only=True)
-    return {**row, "cache": cache, "pos": keep}
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -120,10 +109,10 @@ def batch_chunk(
     """n_steps (traced, <= chunk_size) decode steps of every active row; the host keeps each
     active row's pos + n_steps <= block_size. Only the first `rows` rows run (the host puts
     every active row there): a few requests cost a few rows' compute, not the whole batch's.
-    Returns (batch, tokens [B, chunk_size]): PAD_ID for free slots, for rows past their stop
-    token and past n_steps."""
+    Returns (batch, out) for those rows: out["token"] [rows, chunk_size] (PAD_ID for free
+    slots, for rows past their stop token and past n_steps) and each token's `token_scores`
+    ("logprob" [rows, chunk_size], "top_ids"/"top_logprobs" [rows, chunk_size, 5])."""
     model = nnx.merge(graphdef, state)
-    total = batch["pending"].shape[0]
     head = jax.tree_util.tree_map(lambda x: x[:rows], batch)
     settings = jax.tree_util.tree_map(lambda x: x[:rows], settings)
     active_B = active_B[:rows]
@@ -136,15 +125,22 @@ def batch_chunk(
     def write_ctx(ctx_S, token, pos):
         return jax.lax.dynamic_update_index_in_dim(ctx_S, token, pos, axis=0)
 
+    # A free row runs too, at the last position: that slot is never part of a kept prompt
+    # prefix, and a position past the context (a finished row's) would give NaNs that reach
+    # later requests of that row through attention's probabilities x V.
+    last = model.cfg.block_size - 1
+
     def step(c):
-        logits_BxV, cache = jax.vmap(decode_row)(c["pending"], c["cache"], c["pos"])
-        ctx = jax.vmap(write_ctx)(c["ctx"], c["pending"], c["pos"])
+        pos_B = jnp.where(active_B, c["pos"], last)
+        logits_BxV, cache = jax.vmap(decode_row)(c["pending"], c["cache"], pos_B)
+        ctx = jax.vmap(write_ctx)(c["ctx"], c["pending"], pos_B)
         keys_B = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
             settings["seed"], c["step"]
         )
         token_B = sample_logits(
             logits_BxV, keys_B, settings["temperature"], settings["top_k"], settings["top_p"]
         )
+        scores = token_scores(logits_BxV, token_B)
         live_B = active_B & ~c["done"]
         emitted_B = jnp.where(live_B, token_B, PAD_ID)
         advance_B = active_B.astype(jnp.int32)
@@ -156,11 +152,10 @@ def batch_chunk(
             "done": c["done"] | (live_B & (token_B == settings["stop"])),
             "step": c["step"] + advance_B,
         }
-        return c, emitted_B
+        return c, {"token": emitted_B, **scores}
 
-    head, tokens_RxC = run_steps(step, head, n_steps, chunk_size)
+    head, out_R = run_steps(step, head, n_steps, chunk_size)
     batch = jax.tree_util.tree_map(
         lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=0), batch, head
     )
-    tokens_BxC = jnp.full((total, chunk_size), PAD_ID, jnp.int32).at[:rows].set(tokens_RxC)
-    return batch, tokens_BxC
+    return batch, out_R

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Self
 
 from plumbing import checks
@@ -27,6 +27,13 @@ class ServeConfig:
     default_max_tokens: int = 16  # when a request gives none (OpenAI's completions default)
     chunk_steps: int = 8  # decode steps per compiled call: throughput vs streaming latency
     max_request_bytes: int = 4 << 20  # a larger body is refused (413) before it is read
+    # Against hostile clients (docs/serving.md, "Security"):
+    max_buffered_bytes: int = 64 << 20  # request bodies held at once, all requests together
+    request_timeout_s: float = 30.0  # to send a whole body, once the head has arrived
+    header_timeout_s: float = 10.0  # to send a request head, from connecting or the last answer
+    max_connections: int = 256  # open connections; more are closed as they arrive
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond the bound one
+    metrics_public: bool = True  # false: /metrics wants the API key too
 
     def validate(self) -> Self:
         """Raise UsageError naming the first bad value; return self if all are good."""
@@ -37,7 +44,16 @@ class ServeConfig:
         for key in ("batch_size", "queue_size", "max_tokens", "default_max_tokens"):
             checks.positive(f"serve.{key}", getattr(self, key))
         checks.positive("serve.chunk_steps", self.chunk_steps)
-        checks.positive("serve.max_request_bytes", self.max_request_bytes)
+        for key in ("max_request_bytes", "max_buffered_bytes", "max_connections"):
+            checks.positive(f"serve.{key}", getattr(self, key))
+        for key in ("request_timeout_s", "header_timeout_s"):
+            checks.finite(f"serve.{key}", getattr(self, key))
+            if getattr(self, key) <= 0:
+                raise UsageError(f"serve.{key} must be positive, got {getattr(self, key)}")
+        if self.api_key and not (self.api_key.isascii() and self.api_key.isprintable()):
+            raise UsageError(
+                "the API key must be printable ASCII (HTTP headers carry it): choose another"
+            )
         checks.non_negative("serve.max_prompt_tokens", self.max_prompt_tokens)
         if self.default_max_tokens > self.max_tokens:
             raise UsageError(

@@ -11,6 +11,17 @@ A chunk right after an admission is one step long, so a new request's first toke
 one step, not a whole chunk; otherwise chunks are `chunk_size` steps (fewer when a row's
 context fills up first).
 
+Prefix reuse (as llama.cpp's `cache_prompt`): a row keeps its last prompt's K/V after the
+request leaves. A new request takes the free row whose kept prompt shares the longest start
+with its own, and prefills only from there (one token before it, whose logits it needs).
+Log-probabilities of the reused prompt tokens are kept with the row when they were computed.
+
+Threading contract: the engine thread alone owns the batch, the rows (`slots`, `pos`,
+`texts`, the kept prefixes) and every compiled call; before `start` returns, the thread that
+calls it stands in for the engine thread. Other threads touch only the waiting queue and the
+status, under `_lock`, and a request's `cancelled` event. `submit` raises QueueFull when the
+queue is full and EngineStopping once the engine drains or stops.
+
     >>> engine = Engine(model, tokenizer, rows=16, queue_size=64)     # doctest: +SKIP
     >>> engine.start()
     >>> engine.submit(Request(prompt_ids=[1, 2], max_tokens=8, on_event=print))
@@ -19,57 +30,73 @@ context fills up first).
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 from flax import nnx
 
 from model.decoding.budget import check_memory
-from model.decoding.generate import refill_pieces
-from model.decoding.programs import jit_programs
+from model.decoding.generate import prefill_pieces
 from model.decoding.prompts import stop_token_of
-from model.decoding.steps import PAD_ID, start_carry, window_size
+from model.decoding.sampling import SamplingParams
+from model.decoding.steps import PAD_ID, refill, start_carry, window_size
 from model.network.gpt import GPT
-from model.serving.batch import (
-    batch_chunk,
-    batch_settings,
-    empty_batch,
-    prefill_row,
-    put_row,
-    take_row,
-)
+from model.serving.batch import batch_chunk, batch_settings, empty_batch, put_row, take_row
 from model.serving.text import StopText
 from tokenizer import Tokenizer
 
 DEFAULT_CHUNK_STEPS = 8
+log = logging.getLogger("tinyllm")
 
 
 class QueueFull(Exception):
-    """The waiting queue is full (or the engine is stopping): answer 429/503 at once."""
+    """The waiting queue is full: answer 429 at once."""
+
+
+class EngineStopping(Exception):
+    """The engine drains or has stopped: answer 503 at once."""
 
 
 @dataclass
 class Request:
     """One completion to generate. `on_event(kind, data)` is called on the engine thread with
-    ("text", str) pieces, then ("done", {"finish_reason", "prompt_tokens",
-    "completion_tokens"}) or ("error", message)."""
+    ("prompt", scores) first when `echo` and `logprobs` ask for the prompt's log-probabilities
+    (`token_scores` arrays for prompt tokens 1..n-1), then ("text", str) pieces, each after
+    ("tokens", scores) for the tokens behind it when `logprobs` is set, then ("done",
+    {"finish_reason", "prompt_tokens", "completion_tokens"}) or ("error", message).
+    max_tokens 0 scores the prompt and generates nothing."""
 
     prompt_ids: list[int]
     max_tokens: int
     on_event: Callable[[str, object], None]
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
-    cancelled: bool = False
-    generated: int = 0
+    logprobs: int | None = None  # None: none; else each token's, with the 5 best alternatives
+    echo: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    generated: int = 0  # the engine thread's count of tokens sent
 
     def cancel(self) -> None:
         """The client is gone: the engine frees the row at the next chunk boundary."""
-        self.cancelled = True
+        self.cancelled.set()
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.echo and self.logprobs is not None
+
+
+@dataclass
+class KeptPrefix:
+    """A row's cache holds these context tokens at positions 0.. (and, when computed, the
+    prompt's scores at those positions)."""
+
+    tokens: np.ndarray
+    scores: dict | None
 
 
 class Engine:
@@ -91,65 +118,70 @@ class Engine:
         self.window = window_size(self.size)
         self.stop_token = stop_token_of(tokenizer)
         self.graphdef, self.state = nnx.split(model)
-        self.refill = jit_programs(model, use_cache=True, chunk_size=1).refill
-        # Prompt widths a prefill may run: 16, 32, ... up to --inference's refill window.
+        # Prompt pieces a prefill may run: 16, 32, ... up to --inference's refill window.
         self.prefill_widths = sorted({min(2**i, self.window) for i in range(4, 16)} | {self.window})
-        self.batch = empty_batch(model, rows)
-        # Row counts a chunk may run: powers of two below `rows`, and `rows` (admission takes
-        # the lowest free slot, so few requests stay in few rows).
+        # Row counts a chunk may run: powers of two below `rows`, and `rows` (admission prefers
+        # low slots, so few requests stay in few rows).
         self.row_counts = sorted({*(2**i for i in range(rows.bit_length()) if 2**i < rows), rows})
+        # -- the engine thread's own (see the threading contract) --
+        self.batch = empty_batch(model, rows)
         self.settings = batch_settings(rows)
         self.pos = np.zeros(rows, np.int32)  # host copy of each row's position
         self.slots: list[Request | None] = [None] * rows
         self.texts: list[StopText | None] = [None] * rows
+        self.kept: list[KeptPrefix | None] = [None] * rows
+        # -- shared, under _lock --
+        self._lock = threading.Condition()
         self.waiting: collections.deque[Request] = collections.deque()
-        self.tokens_served = 0
-        self._wake = threading.Condition()
+        self.counts = {"busy_rows": 0, "tokens_served": 0, "prefix_hits": 0, "reused_tokens": 0}
         self._stopping: str | None = None
         self._draining: str | None = None
-        self._thread = threading.Thread(target=self._run, name="tinyllm-engine", daemon=True)
         self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tinyllm-engine", daemon=True)
 
     # -- the public side (any thread) ---------------------------------------------------------
 
     def start(self) -> None:
-        """Compile the programs (a one-token request through every path), then serve."""
-        for width in self.prefill_widths:
-            prompt_ids = [0] * (width + 1)
-            self._admit_one(0, Request(prompt_ids, 2, on_event=lambda kind, data: None))
-        long = [0] * min(self.window + 2, self.size)  # past the window: --inference's refill
-        self._admit_one(0, Request(long, 2, on_event=lambda kind, data: None))
+        """Compile the programs (a request through every path), then serve."""
+        for scored in (False, True):
+            for width in self.prefill_widths:
+                self._admit(0, Request([0] * (width + 1), 2, _ignore, logprobs=0, echo=scored))
+                self._release(0)
+                self.kept[0] = None  # so the next width runs cold
+        self._admit(0, Request([0] * min(self.window + 2, self.size), 2, _ignore))
         for rows in self.row_counts:
             self._chunk(1, rows)
         self._slide(0, force=True)
         self._release(0)
+        self.kept[0] = None
         self._thread.start()
 
     def submit(self, request: Request) -> None:
-        """Queue a request; QueueFull when the queue holds `queue_size` requests already."""
-        with self._wake:
+        """Queue a request: QueueFull when `queue_size` wait already, EngineStopping once
+        draining or stopped."""
+        with self._lock:
             if self._stopping is not None or self._draining is not None:
-                raise QueueFull(self._stopping or self._draining)
+                raise EngineStopping(self._stopping or self._draining)
             if len(self.waiting) >= self.queue_size:
                 raise QueueFull(f"the queue is full ({self.queue_size} requests waiting)")
             self.waiting.append(request)
-            self._wake.notify()
+            self._lock.notify()
 
     def drain(self, reason: str = "the server is shutting down") -> None:
-        """Refuse new requests (QueueFull with `reason`); the ones taken go on."""
-        with self._wake:
+        """Refuse new requests (EngineStopping with `reason`); the ones taken go on."""
+        with self._lock:
             self._draining = reason
 
     def stop(self, reason: str = "the server is shutting down", timeout_s: float = 5.0) -> None:
         """Stop decoding; every request not yet done gets ("error", reason)."""
-        with self._wake:
-            self._stopping = reason
-            self._wake.notify()
+        with self._lock:
+            self._stopping = self._stopping or reason
+            self._lock.notify()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    def stats(self) -> dict[str, int]:
-        with self._wake:
+    def stats(self) -> dict[str, object]:
+        with self._lock:
             status = "ok"
             if self._failure is not None:
                 status = "failed"
@@ -158,9 +190,9 @@ class Engine:
             return {
                 "status": status,
                 "queue_length": len(self.waiting),
-                "active": sum(r is not None for r in self.slots),
+                "active": self.counts["busy_rows"],
                 "batch_rows": self.rows,
-                "tokens_served": self.tokens_served,
+                **{k: v for k, v in self.counts.items() if k != "busy_rows"},
             }
 
     # -- the engine thread --------------------------------------------------------------------
@@ -170,31 +202,22 @@ class Engine:
             while self._step():
                 pass
         except BaseException as err:  # a bug or a device failure: tell every client, keep it
-            self._failure = err
-            self._stopping = f"the server failed ({type(err).__name__}): see its log"
+            with self._lock:
+                self._failure = err
+                self._stopping = f"the server failed ({type(err).__name__}): see its log"
             raise
         finally:
-            self._fail_all(self._stopping or "the server stopped")
+            with self._lock:
+                reason = self._stopping or "the server stopped"
+            self._fail_all(reason)
 
     def _step(self) -> bool:
         """Admit, slide, decode one chunk, deliver. False once stopping."""
-        with self._wake:
-            while self._stopping is None and not self.waiting and not any(self.slots):
-                self._wake.wait()
-            if self._stopping is not None:
-                return False
-            admitted = []
-            for slot in range(self.rows):
-                if self.slots[slot] is None or self.slots[slot].cancelled:
-                    if self.slots[slot] is not None:
-                        self._release(slot)
-                    while self.waiting and self.waiting[0].cancelled:
-                        self.waiting.popleft()
-                    if not self.waiting:
-                        break
-                    admitted.append((slot, self.waiting.popleft()))
+        admitted = self._take_waiting()
+        if admitted is None:
+            return False
         for slot, request in admitted:
-            self._admit_one(slot, request)
+            self._guarded(slot, self._admit, slot, request)
         live = [s for s in range(self.rows) if self.slots[s] is not None]
         if not live:
             return True
@@ -202,32 +225,101 @@ class Engine:
             self._slide(slot)
         steps = 1 if admitted else self.chunk_steps
         steps = min(steps, *(self.size - int(self.pos[s]) for s in live))
-        tokens_BxC = self._chunk(steps)
+        out = self._chunk(steps)
         for slot in live:
-            self._deliver(slot, tokens_BxC[slot])
+            self._guarded(slot, self._deliver, slot, out, steps)
         return True
 
-    def _admit_one(self, slot: int, request: Request) -> None:
+    def _take_waiting(self) -> list[tuple[int, Request]] | None:
+        """Wait for work; free the rows of cancelled requests; pair waiting requests with free
+        rows (the row whose kept prefix is longest for each). None once stopping."""
+        with self._lock:
+            while self._stopping is None and not self.waiting and not any(self.slots):
+                self._lock.wait()
+            if self._stopping is not None:
+                return None
+            for slot, request in enumerate(self.slots):
+                if request is not None and request.cancelled.is_set():
+                    self._release(slot)
+            free = [s for s in range(self.rows) if self.slots[s] is None]
+            admitted = []
+            while free and self.waiting:
+                request = self.waiting.popleft()
+                if request.cancelled.is_set():
+                    continue
+                slot = max(free, key=lambda s: (self._shared(s, request)[0], -s))
+                free.remove(slot)
+                admitted.append((slot, request))
+            return admitted
+
+    def _guarded(self, slot: int, work: Callable, *args) -> None:
+        """Run one request's part; if it fails, that request gets an error and the engine goes
+        on (the batch itself is only replaced by calls that completed)."""
+        request = self.slots[slot] or args[-1]
+        try:
+            work(*args)
+        except Exception as err:
+            log.exception("serve: a request failed")
+            self._release(slot)
+            self.kept[slot] = None
+            if not request.cancelled.is_set():
+                # its own callback may be what failed: then there is nothing more to tell
+                with contextlib.suppress(Exception):
+                    request.on_event("error", f"the request failed ({type(err).__name__})")
+
+    def _shared(self, slot: int, request: Request) -> tuple[int, KeptPrefix | None]:
+        """(tokens of the row's kept prefix that the request's context starts with, the kept
+        prefix); 0 when its scores are needed but were not kept."""
+        kept = self.kept[slot]
+        if kept is None or (request.scores_prompt and kept.scores is None):
+            return 0, None
+        ctx = np.asarray(request.prompt_ids[:-1], np.int32)
+        n = min(len(ctx), len(kept.tokens))
+        differ = np.flatnonzero(ctx[:n] != kept.tokens[:n])
+        return (int(differ[0]) if differ.size else n), kept
+
+    def _admit(self, slot: int, request: Request) -> None:
         prompt = np.asarray(request.prompt_ids, np.int32)
-        row = start_carry(self.model, prompt, 1, use_cache=True)
         keep = len(prompt) - 1
-        if keep <= self.window:
-            width = next(w for w in self.prefill_widths if w >= keep)
-            row = prefill_row(self.graphdef, self.state, row, np.int32(keep), width=width)
-        else:
-            row = refill_pieces(
-                self.refill, self.state, row, shift=0, keep=keep, window=self.window
+        shared, kept = self._shared(slot, request)
+        start = max(shared - 1, 0)  # run the last shared token again: its logits are needed
+        row = start_carry(self.model, prompt, 1, use_cache=False)
+        # A cold row reuses the slot's cache too: slots past pos are masked, whatever they hold.
+        row["cache"] = take_row(self.batch, np.int32(slot))["cache"]
+        scored = request.scores_prompt
+
+        def run(carry, shift, at, keep, width):
+            out = refill(
+                self.graphdef, self.state, carry, shift, at, keep, width=width, scored=scored
             )
+            return out if scored else (out, None)
+
+        row, scores = prefill_pieces(
+            run, row, shift=0, keep=keep, widths=self.prefill_widths, start=start
+        )
+        if scored:  # the reused positions' scores come from the kept prefix
+            scores = {k: np.concatenate([kept.scores[k][:start], v[0]]) if start else v[0]
+                      for k, v in scores.items()}  # fmt: skip
         self.batch = put_row(self.batch, row, np.int32(slot))
         self.pos[slot] = keep
+        self.kept[slot] = KeptPrefix(prompt[:keep], scores)
         s = self.settings
-        s["seed"][slot] = request.seed
-        s["temperature"][slot] = request.temperature
-        s["top_k"][slot] = request.top_k
-        s["top_p"][slot] = request.top_p
+        s["seed"][slot] = request.sampling.seed
+        s["temperature"][slot] = request.sampling.temperature
+        s["top_k"][slot] = request.sampling.top_k
+        s["top_p"][slot] = request.sampling.top_p
         s["stop"][slot] = -1 if self.stop_token is None else self.stop_token
         self.slots[slot] = request
         self.texts[slot] = StopText(request.stop)
+        with self._lock:
+            self.counts["busy_rows"] += 1
+            if start:
+                self.counts["prefix_hits"] += 1
+                self.counts["reused_tokens"] += start
+        if scored:
+            request.on_event("prompt", scores)
+        if request.max_tokens == 0:
+            self._finish(slot, "length")
 
     def _slide(self, slot: int, force: bool = False) -> None:
         """A full context keeps its last window - 1 tokens and the pending one, as
@@ -237,20 +329,23 @@ class Engine:
         keep = self.window - 1
         row = take_row(self.batch, np.int32(slot))
         shift = max(int(self.pos[slot]) - keep, 0)
-        row = refill_pieces(
-            self.refill, self.state, row, shift=shift, keep=keep, window=self.window
-        )
+
+        def run(carry, shift, at, keep, width):
+            return refill(self.graphdef, self.state, carry, shift, at, keep, width=width), None
+
+        row = prefill_pieces(run, row, shift=shift, keep=keep, widths=(self.window,))[0]
         self.batch = put_row(self.batch, row, np.int32(slot))
         self.pos[slot] = keep
+        self.kept[slot] = None  # the cache now holds other tokens at those positions
 
-    def _chunk(self, steps: int, rows: int | None = None) -> np.ndarray:
+    def _chunk(self, steps: int, rows: int | None = None) -> dict[str, np.ndarray]:
         """One compiled chunk over the first rows that hold every busy slot (the smallest
-        count in `row_counts` that does)."""
+        count in `row_counts` that does); its outputs on the host, [rows, steps, ...]."""
         active = np.array([r is not None for r in self.slots])
         if rows is None:
             needed = int(np.flatnonzero(active).max()) + 1 if active.any() else 1
             rows = next(n for n in self.row_counts if n >= needed)
-        self.batch, tokens_BxC = batch_chunk(
+        self.batch, out = batch_chunk(
             self.graphdef,
             self.state,
             self.batch,
@@ -261,17 +356,17 @@ class Engine:
             rows=rows,
         )
         self.pos[active] += steps
-        return np.asarray(tokens_BxC)[:, :steps]
+        return {k: v[:, :steps] for k, v in jax.device_get(out).items()}
 
-    def _deliver(self, slot: int, tokens: np.ndarray) -> None:
+    def _deliver(self, slot: int, out: dict[str, np.ndarray], steps: int) -> None:
         request, text = self.slots[slot], self.texts[slot]
-        if request.cancelled:
+        if request.cancelled.is_set():
             self._release(slot)
             return
         finish = None
         pieces = []
         before = request.generated
-        for token in tokens.tolist():
+        for token in out["token"][slot].tolist():
             if token == PAD_ID or token == self.stop_token:
                 finish = "stop"
                 break
@@ -285,33 +380,47 @@ class Engine:
                 break
         if finish is not None:
             pieces.append(text.finish())
-        with self._wake:
-            self.tokens_served += request.generated - before
+        sent = request.generated - before
+        with self._lock:
+            self.counts["tokens_served"] += sent
+        if request.logprobs is not None and sent:
+            request.on_event("tokens", {k: v[slot, :sent] for k, v in out.items()})
         piece = "".join(pieces)
         if piece:
             request.on_event("text", piece)
         if finish is not None:
-            request.on_event(
-                "done",
-                {
-                    "finish_reason": finish,
-                    "prompt_tokens": len(request.prompt_ids),
-                    "completion_tokens": request.generated,
-                },
-            )
-            self._release(slot)
+            self._finish(slot, finish)
+
+    def _finish(self, slot: int, reason: str) -> None:
+        request = self.slots[slot]
+        self._release(slot)
+        request.on_event(
+            "done",
+            {
+                "finish_reason": reason,
+                "prompt_tokens": len(request.prompt_ids),
+                "completion_tokens": request.generated,
+            },
+        )
 
     def _release(self, slot: int) -> None:
+        if self.slots[slot] is not None:
+            with self._lock:
+                self.counts["busy_rows"] -= 1
         self.slots[slot] = None
         self.texts[slot] = None
         self.pos[slot] = 0
 
     def _fail_all(self, reason: str) -> None:
-        with self._wake:
+        with self._lock:
             pending = [r for r in self.slots if r is not None] + list(self.waiting)
             self.waiting.clear()
         for slot in range(self.rows):
             self._release(slot)
         for request in pending:
-            if not request.cancelled:
+            if not request.cancelled.is_set():
                 request.on_event("error", reason)
+
+
+def _ignore(kind: str, data: object) -> None:
+    """The warm-up requests' events go nowhere."""

@@ -1,11 +1,18 @@
 """OpenAI's completion and chat-completion requests, checked, and the objects answered.
 
 `parse_completion` / `parse_chat` turn a request body (already JSON-decoded) into a
-`Completion`: the prompt text and the sampling settings, every field type-checked, with an
+`Completion`: the prompts and the sampling settings, every field type- and range-checked
+where it is parsed (so no request reaches the engine with a value it cannot hold), with an
 `ApiError` (HTTP status + message, answered as `{"error": {"message": ...}}`) for anything
-wrong. Fields OpenAI defines that change nothing here (`user`, `logit_bias` left empty,
-`presence_penalty` 0, ...) are accepted and ignored; ones that would change the answer and
-are not supported (`n` > 1, `echo`, `logprobs`, `suffix`, `best_of` > 1, tools) are refused.
+wrong. Fields OpenAI defines that change nothing here (`user`, an empty `logit_bias`,
+`presence_penalty` 0, ...) are accepted and ignored; a value that would change OpenAI's answer
+and is not supported here (`n` > 1, `best_of` > 1, `suffix`, tools, a non-empty `logit_bias`,
+non-zero penalties) is refused with a 400 that names the field.
+
+Completions take `prompt` as a string, a list of token ids, or a list of either (one choice
+per prompt, as lm-evaluation-harness sends them), `echo`, and `logprobs` (0-5 alternatives:
+the harness's log-likelihood requests are `echo` + `logprobs` + `max_tokens` 0 or 1). Chat
+takes `logprobs` and `top_logprobs`.
 
 Chat messages become one plain prompt for a base model (`chat_prompt`): each message on a
 line as "Role: content", then "Assistant:" for the model to continue; generation stops where
@@ -25,12 +32,24 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from model.decoding.sampling import MAX_LOGPROBS, SEED_MAX, SamplingParams
 from model.serving.config import ServeConfig
+from plumbing.errors import UsageError
 
 CHAT_STOP = ["\nUser:", "\nSystem:"]
 ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "developer": "System"}
-_UNSUPPORTED = {"echo": False, "suffix": None, "logprobs": None, "tools": None}
-_SEED_MAX = 2**31 - 1
+# Fields accepted only at their neutral value (or absent): anything else changes the answer.
+_NEUTRAL = {
+    "suffix": ("", lambda v: v == ""),
+    "tools": ("[]", lambda v: v == []),
+    "functions": ("[]", lambda v: v == []),
+    "logit_bias": ("{}", lambda v: v == {}),
+    "frequency_penalty": ("0", lambda v: _is_number(v) and v == 0),
+    "presence_penalty": ("0", lambda v: _is_number(v) and v == 0),
+    "n": ("1: this server returns one choice per prompt", lambda v: _is_int(v) and v == 1),
+    "best_of": ("1", lambda v: _is_int(v) and v == 1),
+}
+MAX_STOPS = 4
 
 
 class ApiError(Exception):
@@ -46,28 +65,31 @@ class ApiError(Exception):
 
 @dataclass
 class Completion:
-    """A checked request: the prompt text and how to continue it."""
+    """A checked request: its prompts (text, or token ids) and how to continue them."""
 
-    prompt: str
+    prompts: list[str | list[int]]
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     chat: bool = False
+    echo: bool = False
+    logprobs: int | None = None  # alternatives per token, 0..5; None: no log-probabilities
 
 
 def parse_completion(body: Any, limits: ServeConfig) -> Completion:
-    """`POST /v1/completions`: `prompt` (a string, or a list of one string) and the settings."""
+    """`POST /v1/completions`: `prompt` and the settings (see the module docstring)."""
     body = _object(body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise ApiError(400, "'prompt' is required and must be a string")
-    return _settings(body, prompt, limits, chat=False)
+    prompts = _prompts(body.get("prompt"), limits)
+    echo = _flag(body, "echo")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise ApiError(400, f"'logprobs' must be an integer in 0..{MAX_LOGPROBS}")
+    completion = _settings(body, prompts, limits, chat=False, low=0 if echo else 1)
+    completion.echo, completion.logprobs = echo, logprobs
+    if completion.stream and len(prompts) > 1:
+        raise ApiError(400, "'stream' takes one prompt: send a list of prompts without it")
+    return completion
 
 
 def parse_chat(body: Any, limits: ServeConfig) -> Completion:
@@ -76,8 +98,14 @@ def parse_chat(body: Any, limits: ServeConfig) -> Completion:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' is required and must be a non-empty list")
-    completion = _settings(body, chat_prompt(messages), limits, chat=True)
+    completion = _settings(body, [chat_prompt(messages)], limits, chat=True, low=1)
     completion.stop = [*completion.stop, *CHAT_STOP]
+    if _flag(body, "logprobs"):
+        completion.logprobs = _integer(body, "top_logprobs", 0, low=0)
+        if completion.logprobs > MAX_LOGPROBS:
+            raise ApiError(400, f"'top_logprobs' must be in 0..{MAX_LOGPROBS}")
+    elif body.get("top_logprobs") is not None:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true")
     return completion
 
 
@@ -88,7 +116,7 @@ def chat_prompt(messages: list[Any]) -> str:
         if not isinstance(message, dict):
             raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'")
         role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}")
         if isinstance(content, list):  # content parts: keep the text ones
             parts = [p.get("text") for p in content if isinstance(p, dict)]
@@ -104,52 +132,80 @@ def chat_prompt(messages: list[Any]) -> str:
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name, allowed in _UNSUPPORTED.items():
-        if body.get(name, allowed) not in (allowed, None, False, ""):
-            raise ApiError(400, f"'{name}' is not supported by this server")
-    for name in ("n", "best_of"):
-        if body.get(name, 1) not in (1, None):
-            raise ApiError(400, f"'{name}' must be 1: this server returns one choice")
+    for name, (neutral, is_neutral) in _NEUTRAL.items():
+        if body.get(name) is not None and not is_neutral(body[name]):
+            raise ApiError(400, f"'{name}' is not supported by this server: it must be {neutral}")
     return body
 
 
-def _settings(body: dict[str, Any], prompt: str, limits: ServeConfig, chat: bool) -> Completion:
+def _prompts(prompt: Any, limits: ServeConfig) -> list[str | list[int]]:
+    """A string, a list of token ids, or a non-empty list of either (at most queue_size)."""
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if len(prompt) > limits.queue_size:
+            raise ApiError(
+                400,
+                f"'prompt' is a list of {len(prompt)} prompts; this server takes at most "
+                f"{limits.queue_size} in one request",
+            )
+        if all(isinstance(p, str) or _is_token_list(p) for p in prompt):
+            return list(prompt)
+    raise ApiError(400, "'prompt' is required: a string, a list of token ids, or a list of either")
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
+def _settings(
+    body: dict[str, Any], prompts: list, limits: ServeConfig, chat: bool, low: int
+) -> Completion:
     tokens_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _integer(body, tokens_key, limits.default_max_tokens, low=1)
+    max_tokens = _integer(body, tokens_key, limits.default_max_tokens, low=low)
     if max_tokens > limits.max_tokens:
         raise ApiError(
             400,
             f"'{tokens_key}' is {max_tokens}, above this server's limit of {limits.max_tokens}",
         )
-    temperature = _number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise ApiError(400, f"'temperature' must be >= 0, got {temperature}")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}")
     seed = body.get("seed")
     if seed is None:
-        seed = random.randrange(_SEED_MAX)  # a fresh draw per request, as OpenAI's
-    elif not _is_int(seed) or not -(2**31) <= seed <= _SEED_MAX:
-        raise ApiError(400, "'seed' must be an integer in -2147483648..2147483647")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be true or false")
-    return Completion(
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
+        seed = random.randrange(SEED_MAX)  # a fresh draw per request, as OpenAI's
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0),
         top_k=_integer(body, "top_k", 0, low=0),
-        seed=int(seed),
+        top_p=_number(body, "top_p", 1.0),
+        seed=seed,
+    )
+    try:
+        sampling.checked()
+    except UsageError as err:
+        raise ApiError(400, f"'{str(err).split()[0]}' {str(err).split(' ', 1)[1]}"[:300]) from None
+    return Completion(
+        prompts=prompts,
+        max_tokens=max_tokens,
+        sampling=sampling,
         stop=_stop(body.get("stop")),
-        stream=stream,
+        stream=_flag(body, "stream"),
         chat=chat,
     )
 
 
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false")
+    return value
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _integer(body: dict[str, Any], name: str, default: int, low: int) -> int:
@@ -167,7 +223,7 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if not _is_number(value) or not math.isfinite(value):
         raise ApiError(400, f"'{name}' must be a number, got {value!r}"[:200])
     return float(value)
 
@@ -177,9 +233,13 @@ def _stop(value: Any) -> list[str]:
         return []
     if isinstance(value, str):
         return [value]
-    if isinstance(value, list) and len(value) <= 4 and all(isinstance(s, str) for s in value):
+    if (
+        isinstance(value, list)
+        and len(value) <= MAX_STOPS
+        and all(isinstance(s, str) for s in value)
+    ):
         return [s for s in value if s]
-    raise ApiError(400, "'stop' must be a string or a list of at most 4 strings")
+    raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOPS} strings")
 
 
 # -- answers ---------------------------------------------------------------------------------
@@ -189,14 +249,22 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def choice(text: str, finish: str | None, chat: bool, delta: bool, first: bool) -> dict:
+def choice(
+    text: str,
+    finish: str | None,
+    chat: bool,
+    delta: bool,
+    first: bool,
+    index: int = 0,
+    logprobs: dict | None = None,
+) -> dict:
     if not chat:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if not delta:
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "finish_reason": finish}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
     part = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-    return {"index": 0, "delta": part, "finish_reason": finish}
+    return {"index": index, "delta": part, "logprobs": logprobs, "finish_reason": finish}
 
 
 def envelope(ident: str, model: str, chat: bool, chunk: bool, choices: list[dict]) -> dict:
@@ -210,9 +278,11 @@ def envelope(ident: str, model: str, chat: bool, chunk: bool, choices: list[dict
     }
 
 
-def usage(done: dict) -> dict:
+def usage(dones: list[dict]) -> dict:
+    prompt = sum(d["prompt_tokens"] for d in dones)
+    completion = sum(d["completion_tokens"] for d in dones)
     return {
-        "prompt_tokens": done["prompt_tokens"],
-        "completion_tokens": done["completion_tokens"],
-        "total_tokens": done["prompt_tokens"] + done["completion_tokens"],
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }

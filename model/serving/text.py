@@ -2,8 +2,14 @@
 
 Tokens are byte strings, so a character can be split across tokens: an incremental decoder
 holds the partial bytes until the character is complete, as `--inference` prints. A stop
-string (OpenAI's `stop`) ends the text before it, and no text that could still turn out to be
-the start of a stop string is sent early.
+string (OpenAI's `stop`) ends the text before it: the first stop string to appear in full
+ends it (at the same character, the one that starts first). No text that could still turn out
+to be the start of a stop string is sent early.
+
+Each stop string is matched by its own Knuth-Morris-Pratt automaton, fed one character at a
+time, so the scan is linear in the text whatever the stop strings' lengths; an automaton's
+state is also the longest end of the text that starts that stop string, which is what must
+be held back.
 
     >>> text = StopText(["\\n\\n"])
     >>> text.feed(b"Hello\\n"), text.feed(b"\\nWorld"), text.stopped
@@ -15,49 +21,64 @@ from __future__ import annotations
 import codecs
 
 
+class StopMatcher:
+    """Knuth-Morris-Pratt over one stop string: `step(char)` gives the length of the longest
+    end of the text so far that is a start of the string (its length: found)."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.state = 0
+        # fail[i]: the longest proper border of stop[:i + 1]
+        self.fail = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fail[i] = k
+
+    def step(self, char: str) -> int:
+        k, stop = self.state, self.stop
+        if k == len(stop):
+            k = self.fail[k - 1]
+        while k and char != stop[k]:
+            k = self.fail[k - 1]
+        if char == stop[k]:
+            k += 1
+        self.state = k
+        return k
+
+
 class StopText:
     """Feed token bytes, get the text that is safe to send (see the module docstring)."""
 
     def __init__(self, stop: list[str]) -> None:
-        self.stop = [s for s in stop if s]
+        self.matchers = [StopMatcher(s) for s in stop if s]
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""
-        self.sent = 0  # characters of self.text already returned
+        self.unsent = ""  # decoded, held back: it may be the start of a stop string
         self.stopped = False
 
     def feed(self, data: bytes) -> str:
         """The new text safe to send after `data` (empty once a stop string was seen)."""
         if self.stopped:
             return ""
-        self.text += self.decoder.decode(data)
-        return self._release(final=False)
+        return self._scan(self.decoder.decode(data), final=False)
 
     def finish(self) -> str:
         """The rest of the text at the end of generation (partial bytes replaced)."""
         if self.stopped:
             return ""
-        self.text += self.decoder.decode(b"", final=True)
-        return self._release(final=True)
+        return self._scan(self.decoder.decode(b"", final=True), final=True)
 
-    def _release(self, final: bool) -> str:
-        longest = max((len(s) for s in self.stop), default=0)
-        start = max(0, self.sent - longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            self.stopped = True
-            end = min(hits)
-        elif final:
-            end = len(self.text)
-        else:
-            end = len(self.text) - self._held_back()
-        end = max(end, self.sent)
-        out, self.sent = self.text[self.sent : end], end
-        return out
-
-    def _held_back(self) -> int:
-        """Length of the longest end of the text that is the start of a stop string."""
-        for n in range(min(len(self.text), max((len(s) for s in self.stop), default=1)), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) and s != tail for s in self.stop):
-                return n
-        return 0
+    def _scan(self, new: str, final: bool) -> str:
+        text = self.unsent + new
+        for j in range(len(self.unsent), len(text)):
+            ends = [j + 1 - len(m.stop) for m in self.matchers if m.step(text[j]) == len(m.stop)]
+            if ends:
+                self.stopped, self.unsent = True, ""
+                return text[: min(ends)]
+        held = 0 if final else max((m.state for m in self.matchers), default=0)
+        cut = len(text) - held
+        self.unsent = text[cut:]
+        return text[:cut]

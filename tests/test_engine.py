@@ -1,0 +1,203 @@
+"""The serving engine in-process, on a tiny random model: prompt and token log-probabilities
+against a full forward pass, prefix reuse against a cold row, one failing request that leaves
+the engine serving, the stop-string scan, and the one set of sampling checks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from model.decoding.sampling import SEED_MAX, SamplingParams
+from model.serving.engine import Engine, EngineStopping, QueueFull, Request
+from model.serving.text import StopText
+from plumbing.errors import UsageError
+from tests.tiny_models import forward, tiny_model
+from tokenizer import CharTokenizer
+
+BLOCK = 64  # refill window 32: prompt pieces of 16 and 32 tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=3, kernel_scale=1.0, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    chars = "".join(chr(c) for c in range(33, 33 + 63))  # 63 characters + end-of-text = 64
+    return CharTokenizer.train(chars, special_tokens=["<|endoftext|>"])
+
+
+@pytest.fixture(scope="module")
+def engine(model, tokenizer):
+    engine = Engine(model, tokenizer, rows=4, queue_size=16, chunk_steps=4)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+class Collect:
+    """A request's events, and a way to wait for its end."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, object]] = []
+        self.ended = threading.Event()
+
+    def __call__(self, kind: str, data: object) -> None:
+        self.events.append((kind, data))
+        if kind in ("done", "error"):
+            self.ended.set()
+
+    def of(self, kind: str) -> list:
+        return [data for k, data in self.events if k == kind]
+
+
+def run(engine: Engine, ids, max_tokens: int, **kwargs) -> Collect:
+    collect = Collect()
+    engine.submit(Request(list(ids), max_tokens, collect, **kwargs))
+    assert collect.ended.wait(60), collect.events
+    return collect
+
+
+def direct_logprobs(model, ids) -> np.ndarray:
+    """log p(ids[i + 1] | ids[:i + 1]) for every i, from one full forward pass."""
+    logits = forward(model, jnp.asarray([ids], jnp.int32))[0]
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    return logp[np.arange(len(ids) - 1), np.asarray(ids[1:])]
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 63, n).tolist()
+
+
+@pytest.mark.parametrize("n", [2, 9, 33, 50, BLOCK])  # one piece, two pieces, the whole context
+def test_echo_scores_the_prompt_as_a_full_forward_pass(engine, model, n):
+    ids = prompt_of(n, n)
+    got = run(engine, ids, 0, logprobs=5, echo=True)
+    (scores,) = got.of("prompt")
+    np.testing.assert_allclose(scores["logprob"], direct_logprobs(model, ids), atol=1e-4)
+    # the alternatives are the best five, best first, and the chosen one is among them or below
+    assert np.all(np.diff(scores["top_logprobs"], axis=1) <= 1e-6)
+    assert np.all(scores["logprob"] <= scores["top_logprobs"][:, 0] + 1e-5)
+    assert got.of("done")[0] == {
+        "finish_reason": "length",
+        "prompt_tokens": n,
+        "completion_tokens": 0,
+    }
+
+
+def test_generated_tokens_carry_their_logprobs(engine, model):
+    ids = prompt_of(1, 10)
+    got = run(engine, ids, 12, logprobs=2, sampling=SamplingParams(temperature=0.0))
+    tokens = np.concatenate([t["token"] for t in got.of("tokens")])
+    logprobs = np.concatenate([t["logprob"] for t in got.of("tokens")])
+    assert len(tokens) == 12
+    np.testing.assert_allclose(
+        logprobs, direct_logprobs(model, ids + tokens.tolist())[9:], atol=1e-4
+    )
+    top = np.concatenate([t["top_ids"] for t in got.of("tokens")])
+    assert np.all(top[:, 0] == tokens)  # greedy: each token is the most likely one
+
+
+def test_a_shared_prefix_is_reused_and_gives_the_cold_answer(engine, model):
+    context = prompt_of(7, 40)
+    first = run(engine, [*context, 5, 6], 0, logprobs=1, echo=True)
+    before = engine.stats()
+    second = run(engine, [*context, 9, 3, 4], 6, logprobs=1, echo=True,
+                 sampling=SamplingParams(temperature=0.0))  # fmt: skip
+    after = engine.stats()
+    assert after["prefix_hits"] == before["prefix_hits"] + 1
+    # 40 tokens shared; the last of them runs again (its logits score the first new token)
+    assert after["reused_tokens"] - before["reused_tokens"] == 39
+    (scores,) = second.of("prompt")
+    np.testing.assert_allclose(
+        scores["logprob"], direct_logprobs(model, [*context, 9, 3, 4]), atol=1e-4
+    )
+    # A cold engine gives the same text and scores.
+    cold = Engine(model, engine.tokenizer, rows=1, queue_size=2, chunk_steps=4)
+    cold.start()
+    try:
+        again = run(cold, [*context, 9, 3, 4], 6, logprobs=1, echo=True,
+                    sampling=SamplingParams(temperature=0.0))  # fmt: skip
+    finally:
+        cold.stop()
+    assert "".join(again.of("text")) == "".join(second.of("text"))
+    np.testing.assert_allclose(again.of("prompt")[0]["logprob"], scores["logprob"], atol=1e-5)
+    assert first.of("done")
+
+
+def test_one_failing_request_gets_an_error_and_the_engine_goes_on(engine):
+    def explode(kind, data):
+        raise RuntimeError("a client callback that fails")
+
+    engine.submit(Request([1, 2, 3], 4, explode))
+    time.sleep(0.5)
+    assert engine.stats()["status"] == "ok"
+    assert run(engine, [1, 2, 3], 4).of("done")
+
+
+def test_full_queue_and_stopping_are_told_apart():
+    model = tiny_model(block_size=16)
+    tokenizer = CharTokenizer.train("abc", special_tokens=[])
+    engine = Engine(model, tokenizer, rows=1, queue_size=1)  # not started: nothing is taken
+    engine.submit(Request([1], 4, Collect()))
+    with pytest.raises(QueueFull):
+        engine.submit(Request([1], 4, Collect()))
+    engine.drain()
+    with pytest.raises(EngineStopping):
+        engine.submit(Request([1], 4, Collect()))
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(top_k=2**31), "top_k must be an integer in 0..2147483647"),
+        (SamplingParams(seed=-1), "seed must be in 0..2147483647"),
+        (SamplingParams(seed=SEED_MAX + 1), "seed must be in 0..2147483647"),
+        (SamplingParams(temperature=float("inf")), "temperature"),
+        (SamplingParams(top_p=0.0), "top_p"),
+    ],
+)
+def test_sampling_params_have_one_range_each(params, message):
+    with pytest.raises(UsageError, match=message):
+        params.checked()
+
+
+def first_stop(text: str, stops: list[str]) -> str:
+    """Reference: the text before the first stop string to be completed (at the same end,
+    the one that starts first)."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if s and text[:end].endswith(s)]
+        if starts:
+            return text[: min(starts)]
+    return text
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.text("abc", min_size=1, max_size=5), max_size=4),
+    st.lists(st.text("abc", max_size=4), max_size=8),
+)
+def test_stop_text_matches_the_reference_for_any_split(stops, parts):
+    text = StopText(stops)
+    out = "".join(text.feed(p.encode()) for p in parts) + text.finish()
+    assert out == first_stop("".join(parts), stops)
+
+
+def test_the_stop_scan_is_linear_in_the_text():
+    # Four stop strings of 3,000-4,000 characters that the text keeps almost matching: the
+    # scan held back and re-checked every candidate end, quadratic in the stop length per
+    # token (hours here); one automaton step per character takes well under a second.
+    stops = ["x" * 3000 + "y", "x" * 4000 + "z", "x" * 3500 + "w", "x" * 3999 + "v"]
+    text = StopText(stops)
+    started = time.perf_counter()
+    sent = "".join(text.feed(b"xxxxxxxx") for _ in range(2000))
+    assert time.perf_counter() - started < 20  # a complexity guard, not a speed target
+    assert sent == "x" * (16_000 - 4000) and not text.stopped
