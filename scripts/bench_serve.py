@@ -1,6 +1,7 @@
 """Serving throughput under concurrent clients (continuous batching) vs one request at a time.
 
-It starts `tinyllm.py --serve --out RUN --port 0` itself (the queue made big enough for the
+For each `--run` (give several: the demo model and a larger one) it starts
+`tinyllm.py --serve --out RUN --port 0` itself (the queue made big enough for the
 most clients; key=value overrides after the flags go to the server, last), waits for its ready
 line, and always stops it at the end with SIGINT; or, with --url, it uses a server that is
 already running (it must be otherwise idle: see "tokens" below). One warm-up request, then
@@ -23,10 +24,14 @@ the client counts, so a change in the machine's load touches them all alike. Per
 
 The table gives, per C, the medians over the rounds of tokens/s, TTFT p50 and latency p50 and
 p99 (of that wave's successful requests), and the requests and failures of all rounds; then
-the sequential rate and the ratio C=16 concurrent / sequential (the target is >= 3x). Client
-and server share the machine's cores: time it alone, e.g.
+the sequential rate and the ratio C=16 concurrent / sequential (the target is >= 5x). Then one
+request against `--inference`: the decode rate after the first token of the sequential
+requests (median), and the rate `tinyllm.py --inference` prints for the same run, prompt,
+temperature and token count (median of `--repeats` processes; the target is >= 0.9x).
+Client and server share the machine's cores: time it alone, e.g.
 
-    flock /tmp/tinyllm-bench.lock python scripts/bench_serve.py --run runs/shakespeare
+    flock /tmp/tinyllm-bench.lock python scripts/bench_serve.py --run runs/shakespeare \
+        --run runs/char11m
     python scripts/bench_serve.py --run runs/shakespeare --clients 1 16 serve.batch_size=32
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --json serve.json
 """
@@ -123,7 +128,8 @@ class ServerProcess:
 
 @dataclass
 class Answer:
-    """One streamed request: whether it succeeded, its TTFT and latency (s), how it ended."""
+    """One streamed request: whether it succeeded, its TTFT and latency (s), how it ended, and
+    its completion tokens (from the final chunk's usage, when the server sends it)."""
 
     ok: bool
     latency_s: float
@@ -192,7 +198,15 @@ async def wave(client, url: str, bodies: list[dict], concurrent: bool) -> dict:
     wall_s = time.perf_counter() - start
     tokens = (await health(client, url))["tokens_served"] - before
     good = [a for a in answers if a.ok]
+    # one request's decode rate after its first token (requests that ran to max_tokens)
+    n = bodies[0]["max_tokens"]
+    rates = [
+        (n - 1) / (a.latency_s - a.ttft_s)
+        for a in good
+        if a.finish == "length" and a.ttft_s is not None and a.latency_s > a.ttft_s
+    ]
     return {
+        "decode_per_s": statistics.median(rates) if rates else None,
         "requests": len(answers),
         "failed": len(answers) - len(good),
         "ended_early": sum(a.finish == "stop" for a in good),
@@ -213,7 +227,7 @@ def summary(waves: list[dict]) -> dict:
         values = [w[key] for w in waves if w[key] is not None]
         return statistics.median(values) if values else None
 
-    figures = ("tokens_per_s", "ttft_p50_s", "latency_p50_s", "latency_p99_s")
+    figures = ("tokens_per_s", "ttft_p50_s", "latency_p50_s", "latency_p99_s", "decode_per_s")
     totals = ("requests", "failed", "ended_early", "tokens")
     return {
         **{key: median(key) for key in figures},
@@ -285,6 +299,32 @@ def model_facts(run: str | None) -> dict:
     }
 
 
+def inference_rate(args, run: str) -> float | None:
+    """The decode rate `tinyllm.py --inference` prints for this run and one request's settings
+    (median over --repeats processes)."""
+    rates = []
+    for _ in range(args.repeats):
+        cmd = [sys.executable, str(ROOT / "tinyllm.py"), "--inference", "--out", run,
+               "--prompt", args.prompt[0], "--max-new-tokens", str(args.max_tokens),
+               "--temperature", str(args.temperature), "--top-k", "0", "--seed", "0"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+        found = re.search(r"decode ([\d,]+) tokens/s", done.stderr)
+        if done.returncode == 0 and found:
+            rates.append(float(found.group(1).replace(",", "")))
+    return statistics.median(rates) if rates else None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def machine_facts() -> dict:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
@@ -292,6 +332,7 @@ def machine_facts() -> dict:
         "cpus_usable": usable,
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),
+        "cpu_model": cpu_model(),
         "python": platform.python_version(),
     }
 
@@ -304,7 +345,8 @@ def report(args, url: str, machine: dict, model: dict, result: dict) -> None:
     server = result["server"]
     print(f"command: python {' '.join(sys.argv)}")
     print(
-        f"machine: {machine['cpu_count']} CPUs ({machine['cpus_usable']} usable), load average "
+        f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs "
+        f"({machine['cpus_usable']} usable), load average "
         f"{machine['load_average_1m']:.2f} at start, {machine['platform']}, "
         f"python {machine['python']}"
     )
@@ -341,7 +383,13 @@ def report(args, url: str, machine: dict, model: dict, result: dict) -> None:
         same = result["clients"].get(args.sequential)
         if same and sequential["tokens_per_s"]:
             ratio = same["tokens_per_s"] / sequential["tokens_per_s"]
-            print(f"{args.sequential} concurrent / sequential: {ratio:.1f}x (target >= 3x)")
+            print(f"{args.sequential} concurrent / sequential: {ratio:.1f}x (target >= 5x)")
+        one, alone = sequential["decode_per_s"], result.get("inference_per_s")
+        if one and alone:
+            print(
+                f"one request: decode {one:,.0f} tokens/s after its first token over HTTP; "
+                f"--inference prints {alone:,.0f} tokens/s: {one / alone:.2f}x (target >= 0.9x)"
+            )
     early = sum(s["ended_early"] for s in everything)
     if early:
         total = sum(s["requests"] for s in everything)
@@ -356,7 +404,9 @@ def report(args, url: str, machine: dict, model: dict, result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = OneLineParser(prog="bench_serve.py", description=__doc__.splitlines()[0])
-    p.add_argument("--run", help="a trained run directory (the server is started on it)")
+    p.add_argument(
+        "--run", action="append", help="a trained run directory (repeat: one table each)"
+    )
     p.add_argument("--url", help="use this running server instead of starting one")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
@@ -384,26 +434,32 @@ def main(argv: list[str] | None = None) -> None:
 
     with one_line_errors("bench_serve"):
         machine = machine_facts()
-        model = model_facts(args.run)
-        server = None
-        if args.url:
-            url = args.url.rstrip("/")
-        else:
-            queue = f"serve.queue_size={max([*args.clients, args.sequential, 64])}"
-            server = ServerProcess(args.run, [queue, *args.overrides])
-            url = server.start()
-        try:
-            result = asyncio.run(measure(args, url))
-        except httpx.HTTPError as err:
-            raise UsageError(f"the server at {url} does not answer ({err!r})") from None
-        finally:
-            if server is not None:
-                server.stop()
-        report(args, url, machine, model, result)
+        records = []
+        for run in args.run or [None]:
+            model = model_facts(run)
+            server = None
+            if args.url:
+                url = args.url.rstrip("/")
+            else:
+                queue = f"serve.queue_size={max([*args.clients, args.sequential, 64])}"
+                server = ServerProcess(run, [queue, *args.overrides])
+                url = server.start()
+            try:
+                result = asyncio.run(measure(args, url))
+            except httpx.HTTPError as err:
+                raise UsageError(f"the server at {url} does not answer ({err!r})") from None
+            finally:
+                if server is not None:
+                    server.stop()
+            if run is not None and args.sequential:
+                result["inference_per_s"] = inference_rate(args, run)
+            report(args, url, machine, model, result)
+            print()
+            result = {**result, "clients": list(result["clients"].values())}
+            records.append({"run": run, "url": url, "model": model, "result": result})
         if args.json:
-            record = {"command": sys.argv, "url": url, "machine": machine, "model": model}
-            record.update({k: v for k, v in vars(args).items() if k not in ("json", "url")})
-            record["result"] = {**result, "clients": list(result["clients"].values())}
+            record = {"command": sys.argv, "machine": machine, "runs": records}
+            record.update({k: v for k, v in vars(args).items() if k not in ("json", "url", "run")})
             write_atomic(args.json, json.dumps(record, indent=2) + "\n")
 
 

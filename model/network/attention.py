@@ -1,9 +1,9 @@
 """Causal multi-head self-attention, with an optional explicit KV cache.
 
 The math is one pure function (`attend`, the readable reference); the module owns the
-projections and the cache writes. The same code serves training (keys = this call's tokens,
-causal mask) and decoding (keys = the whole preallocated cache, masked by absolute position),
-so the two paths cannot drift apart.
+projections and the cache writes. The same `attend` serves training (keys = this call's tokens,
+causal mask) and decoding (keys = the preallocated cache, [B, H, S, Dh], masked by absolute
+position), so the two paths cannot drift apart.
 
 The same attention also runs through `jax.nn.dot_product_attention` (`model.attention`):
 XLA's implementation anywhere, or cuDNN's fused flash attention on NVIDIA GPUs, which never
@@ -59,29 +59,35 @@ _MASKED = float(jnp.finfo(jnp.float32).min)
 
 def attend(
     q_BxTxHxD: jax.Array,
-    k_BxSxHxD: jax.Array,
-    v_BxSxHxD: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     mask_TxS: jax.Array,
     *,
+    heads_first: bool = False,
     dropout: nnx.Dropout | None = None,
     deterministic: bool = True,
     rngs: nnx.Rngs | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention; scores and softmax in float32, output in q's dtype.
 
-    mask_TxS is True where query t may attend to key s.
+    k and v are [B, S, H, D], or [B, H, S, D] with `heads_first` (the KV cache's layout: one
+    head's keys are contiguous, so a decode step's products read the cache as it lies instead
+    of transposing all of it first). mask_TxS ([T, S], or [B, T, S]: a mask per row) is True
+    where query t may attend to key s.
     """
+    kv = "bhsd" if heads_first else "bshd"
     scale = 1.0 / math.sqrt(q_BxTxHxD.shape[-1])
     scores_BxHxTxS = jnp.einsum(
-        "bthd,bshd->bhts", q_BxTxHxD, k_BxSxHxD, preferred_element_type=jnp.float32,
+        f"bthd,{kv}->bhts", q_BxTxHxD, k, preferred_element_type=jnp.float32,
         precision=mixed_product_precision(q_BxTxHxD.dtype),  # bf16 in the backward too
     )  # fmt: skip
-    scores_BxHxTxS = jnp.where(mask_TxS[None, None], scores_BxHxTxS * scale, _MASKED)
+    mask_BxTxS = mask_TxS if mask_TxS.ndim == 3 else mask_TxS[None]
+    scores_BxHxTxS = jnp.where(mask_BxTxS[:, None], scores_BxHxTxS * scale, _MASKED)
     probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1)
     if dropout is not None:
         probs_BxHxTxS = dropout(probs_BxHxTxS, deterministic=deterministic, rngs=rngs)
-    probs_BxHxTxS = probs_BxHxTxS.astype(v_BxSxHxD.dtype)
-    return jnp.einsum("bhts,bshd->bthd", probs_BxHxTxS, v_BxSxHxD)
+    probs_BxHxTxS = probs_BxHxTxS.astype(v.dtype)
+    return jnp.einsum(f"bhts,{kv}->bthd", probs_BxHxTxS, v)
 
 
 def choose_implementation(
@@ -175,20 +181,12 @@ def _device_facts() -> tuple[str, tuple[int, int] | None]:
 
 
 def attend_fused(
-    q_BxTxHxD: jax.Array,
-    k_BxSxHxD: jax.Array,
-    v_BxSxHxD: jax.Array,
-    mask_TxS: jax.Array | None,
-    implementation: str,
+    q_BxTxHxD: jax.Array, k_BxTxHxD: jax.Array, v_BxTxHxD: jax.Array, implementation: str
 ) -> jax.Array:
-    """`attend` through jax.nn.dot_product_attention; mask_TxS None means causal over T == S
-    (given as is_causal, the form cuDNN's flash attention can skip blocks with)."""
-    if mask_TxS is None:
-        return jax.nn.dot_product_attention(
-            q_BxTxHxD, k_BxSxHxD, v_BxSxHxD, is_causal=True, implementation=implementation
-        )
+    """Causal `attend` through jax.nn.dot_product_attention (the mask given as is_causal, the
+    form cuDNN's flash attention can skip blocks with)."""
     return jax.nn.dot_product_attention(
-        q_BxTxHxD, k_BxSxHxD, v_BxSxHxD, mask=mask_TxS[None, None], implementation=implementation
+        q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, is_causal=True, implementation=implementation
     )
 
 
@@ -208,13 +206,30 @@ def causal_mask(t: int) -> jax.Array:
     return jnp.tril(jnp.ones((t, t), dtype=bool))
 
 
-def position_mask(query_pos_T: jax.Array, num_keys: int) -> jax.Array:
-    """[T, S] mask for a cache: query at absolute position p sees cache slots 0..p.
+def position_mask(query_pos_BxT: jax.Array, num_keys: int) -> jax.Array:
+    """[B, T, S] mask for a cache: a query at absolute position p sees cache slots 0..p.
 
     Slots beyond p hold stale or padding entries; masking by position (not by a length) keeps
     every shape fixed, so one compiled program serves every step.
     """
-    return jnp.arange(num_keys)[None, :] <= query_pos_T[:, None]
+    return jnp.arange(num_keys) <= query_pos_BxT[..., None]
+
+
+def write_cache(slots_BxHxSxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT) -> jax.Array:
+    """The cache with this call's keys (or values) written at their positions: one slice
+    write when every row is at the same position ([1, T] positions), else (a serving batch,
+    [B, 1]) one in-place slice write per row, in a loop, rather than a scatter."""
+    new_BxHxTxD = new_BxTxHxD.transpose(0, 2, 1, 3).astype(slots_BxHxSxD.dtype)
+    if positions_BxT.shape[0] == 1:
+        return jax.lax.dynamic_update_slice(
+            slots_BxHxSxD, new_BxHxTxD, (0, 0, positions_BxT[0, 0], 0)
+        )
+
+    def write_row(b, slots):
+        row = jax.lax.dynamic_index_in_dim(new_BxHxTxD, b, axis=0)
+        return jax.lax.dynamic_update_slice(slots, row, (b, 0, positions_BxT[b, 0], 0))
+
+    return jax.lax.fori_loop(0, new_BxHxTxD.shape[0], write_row, slots_BxHxSxD)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -234,10 +249,30 @@ class CausalSelfAttention(nnx.Module):
         self.dtype_name = cfg.dtype
         self.resid_dropout = nnx.Dropout(cfg.dropout)
 
+    def _attend_causal(self, q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, deterministic, rngs):
+        """Attention over this call's own tokens (training, evaluation, a full forward)."""
+        platform, capability = backend_facts()
+        implementation = choose_implementation(
+            self.attention,
+            platform=platform,
+            compute_capability=capability,
+            dtype=self.dtype_name,
+            head_dim=self.head_dim,
+            cached=False,
+            dropout=self.attn_dropout is not None and not deterministic,
+        )
+        if implementation == "reference":
+            mask = causal_mask(q_BxTxHxD.shape[1])
+            return attend(
+                q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, mask,
+                dropout=self.attn_dropout, deterministic=deterministic, rngs=rngs,
+            )  # fmt: skip
+        return attend_fused(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, implementation)
+
     def __call__(
         self,
         x_BxTxD: jax.Array,
-        positions_T: jax.Array,
+        positions_BxT: jax.Array,
         *,
         cache: LayerCache | None = None,
         deterministic: bool = True,
@@ -245,7 +280,10 @@ class CausalSelfAttention(nnx.Module):
     ) -> tuple[jax.Array, LayerCache | None]:
         """Attend; with a cache, write this call's k/v at positions_T[0] and attend over it.
 
-        positions_T are the absolute positions of the T tokens (consecutive).
+        positions_BxT are the absolute positions of the T tokens (consecutive), [1, T] for
+        every row alike or [B, 1] for a position per row (a serving batch's decode step). The
+        cache's layout is [B, H, S, Dh] (model.network.gpt.cache_layout); whatever its length
+        S, a query at position p sees slots 0..p, so the caller may pass the first slots only.
         """
         b, t, d = x_BxTxD.shape
         # Projections on [B*T, D]: XLA:CPU runs the backward of 2-D matmuls ~2.5x faster than
@@ -259,45 +297,19 @@ class CausalSelfAttention(nnx.Module):
             q_BxTxHxD = rms_normalize(q_BxTxHxD, self.qk_norm_eps)
             k_BxTxHxD = rms_normalize(k_BxTxHxD, self.qk_norm_eps)
         if self.rope_theta is not None:
-            q_BxTxHxD = apply_rope(q_BxTxHxD, positions_T, self.rope_theta)
-            k_BxTxHxD = apply_rope(k_BxTxHxD, positions_T, self.rope_theta)
+            q_BxTxHxD = apply_rope(q_BxTxHxD, positions_BxT, self.rope_theta)
+            k_BxTxHxD = apply_rope(k_BxTxHxD, positions_BxT, self.rope_theta)
 
         if cache is None:
-            keys, values, mask = k_BxTxHxD, v_BxTxHxD, None  # None: causal
             new_cache = None
+            y_BxTxHxD = self._attend_causal(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, deterministic, rngs)
         else:
-            start = (0, positions_T[0], 0, 0)
-            keys = jax.lax.dynamic_update_slice(
-                cache["k"], k_BxTxHxD.astype(cache["k"].dtype), start
-            )
-            values = jax.lax.dynamic_update_slice(
-                cache["v"], v_BxTxHxD.astype(cache["v"].dtype), start
-            )
-            mask = position_mask(positions_T, keys.shape[1])
+            keys = write_cache(cache["k"], k_BxTxHxD, positions_BxT)
+            values = write_cache(cache["v"], v_BxTxHxD, positions_BxT)
             new_cache = {"k": keys, "v": values}
-
-        platform, capability = backend_facts()
-        implementation = choose_implementation(
-            self.attention,
-            platform=platform,
-            compute_capability=capability,
-            dtype=self.dtype_name,
-            head_dim=self.head_dim,
-            cached=cache is not None,
-            dropout=self.attn_dropout is not None and not deterministic,
-        )
-        if implementation == "reference":
-            y_BxTxHxD = attend(
-                q_BxTxHxD,
-                keys,
-                values,
-                causal_mask(t) if mask is None else mask,
-                dropout=self.attn_dropout,
-                deterministic=deterministic,
-                rngs=rngs,
-            )
-        else:
-            y_BxTxHxD = attend_fused(q_BxTxHxD, keys, values, mask, implementation)
+            # XLA's products on the cache as it lies (a position mask: no cuDNN, see above)
+            mask = position_mask(positions_BxT, keys.shape[2])
+            y_BxTxHxD = attend(q_BxTxHxD, keys, values, mask, heads_first=True)
         y_BxTxD = self.c_proj(y_BxTxHxD.reshape(b * t, d)).reshape(b, t, d)
         y_BxTxD = self.resid_dropout(y_BxTxD, deterministic=deterministic, rngs=rngs)
         return y_BxTxD, new_cache

@@ -51,7 +51,7 @@ class Block(nnx.Module):
         self,
         x_BxTxD: jax.Array,
         x0_BxTxD: jax.Array,
-        positions_T: jax.Array,
+        positions_BxT: jax.Array,
         *,
         cache: LayerCache | None = None,
         deterministic: bool = True,
@@ -61,7 +61,7 @@ class Block(nnx.Module):
             a, b = self.x0_lambdas[...].astype(x_BxTxD.dtype)
             x_BxTxD = a * x_BxTxD + b * x0_BxTxD
         y, cache = self.attn(
-            self.ln_1(x_BxTxD), positions_T, cache=cache, deterministic=deterministic, rngs=rngs
+            self.ln_1(x_BxTxD), positions_BxT, cache=cache, deterministic=deterministic, rngs=rngs
         )
         x_BxTxD = x_BxTxD + y
         # The MLP is position-wise: run it on [B*T, D] (2-D matmuls; XLA:CPU runs their
@@ -165,7 +165,9 @@ class GPT(nnx.Module):
     def decode(
         self, tokens_BxT: jax.Array, cache: KVCache, pos: jax.Array | int, *, last_only=False
     ) -> tuple[jax.Array, KVCache]:
-        """Run T new tokens at absolute positions pos..pos+T-1 against the cache.
+        """Run T new tokens at absolute positions pos..pos+T-1 against the cache; `pos` is one
+        position for every row, or a position per row ([B], with T = 1: a serving batch, whose
+        rows are different requests at their own lengths).
 
         Writes their k/v into the cache and returns (logits [B, T, V] float32, new cache);
         with last_only, logits [B, 1, V] of the last token only (prefill skips the rest).
@@ -174,8 +176,9 @@ class GPT(nnx.Module):
         Inference only: no dropout.
         """
         t = tokens_BxT.shape[1]
-        positions_T = jnp.asarray(pos, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
-        x_BxTxD, new_cache, _ = self._run(tokens_BxT, positions_T, cache, True, None)
+        pos_B = jnp.reshape(jnp.asarray(pos, jnp.int32), (-1, 1))  # [1, 1]: every row alike
+        positions_BxT = pos_B + jnp.arange(t, dtype=jnp.int32)
+        x_BxTxD, new_cache, _ = self._run(tokens_BxT, positions_BxT, cache, True, None)
         if last_only:
             x_BxTxD = x_BxTxD[:, -1:]
         return self.unembed(x_BxTxD), new_cache
@@ -191,14 +194,14 @@ class GPT(nnx.Module):
                 f"sequence of {t} tokens is longer than the model's context "
                 f"(block_size={self.cfg.block_size})"
             )
-        positions_T = jnp.arange(t, dtype=jnp.int32)
-        x_BxTxD, _, aux = self._run(tokens_BxT, positions_T, None, deterministic, rngs)
+        positions_BxT = jnp.arange(t, dtype=jnp.int32)[None]
+        x_BxTxD, _, aux = self._run(tokens_BxT, positions_BxT, None, deterministic, rngs)
         return x_BxTxD, aux
 
     def _run(
         self,
         tokens_BxT: jax.Array,
-        positions_T: jax.Array,
+        positions_BxT: jax.Array,
         cache: KVCache | None,
         deterministic: bool,
         rngs: nnx.Rngs | None,
@@ -206,7 +209,7 @@ class GPT(nnx.Module):
         """Hidden states after the final norm [B, T, D], the updated cache, aux losses."""
         x_BxTxD = self.wte(tokens_BxT)
         if self.wpe is not None:
-            x_BxTxD = x_BxTxD + self.wpe(positions_T)[None]
+            x_BxTxD = x_BxTxD + self.wpe(positions_BxT)
         x_BxTxD = self.drop(x_BxTxD, deterministic=deterministic, rngs=rngs)
         x_BxTxD = x_BxTxD.astype(self.cfg.compute_dtype)
         x0_BxTxD = x_BxTxD
@@ -219,7 +222,7 @@ class GPT(nnx.Module):
                 x_BxTxD, layer_cache, block_aux = block(
                     x_BxTxD,
                     x0_BxTxD,
-                    positions_T,
+                    positions_BxT,
                     cache=layer_cache,
                     deterministic=deterministic,
                     rngs=rngs,
@@ -234,9 +237,10 @@ class GPT(nnx.Module):
 
 def cache_layout(cfg: ModelConfig, batch_size: int, max_len: int | None = None) -> KVCache:
     """The KV cache's shapes and dtype (ShapeDtypeStructs): per layer {"k", "v"} of
-    [B, max_len (default block_size), H, Dh] in the compute dtype. The one place the layout
-    is written; every cache (decoding, the serving batch, abstract programs) is built from it."""
-    shape = (batch_size, max_len or cfg.block_size, cfg.n_head, cfg.head_dim)
+    [B, H, max_len (default block_size), Dh] in the compute dtype, heads first so that a decode
+    step reads each head's keys as they lie. The one place the layout is written; every cache
+    (decoding, the serving batch, abstract programs) is built from it."""
+    shape = (batch_size, cfg.n_head, max_len or cfg.block_size, cfg.head_dim)
     leaf = jax.ShapeDtypeStruct(shape, cfg.compute_dtype)
     return [{"k": leaf, "v": leaf} for _ in range(cfg.n_layer)]
 

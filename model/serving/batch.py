@@ -8,12 +8,14 @@ into the cache on its own, through `--inference`'s one prefill program (model.de
 the batch (`put_row`); a row whose context is full is taken out (`take_row`), slid by the
 same program and put back. So a request sees the context policy of `--inference`.
 
-The decode step (`batch_chunk`) runs the model's single-row cached decode under `jax.vmap`:
-every row writes its k/v at its own position and attends over its own cache slots, and
-samples with its own settings and key (`fold_in(key(seed), step)`, as `--inference` does).
-Free slots among the rows run are masked by `active` (their writes go to rows nobody reads);
-a chunk runs only the first rows, as many as the highest busy slot needs, rounded up to a
-power of two (each such count is its own compiled program, all compiled at start-up).
+The decode step (`batch_chunk`) runs the model's cached decode with a position per row: every
+row writes its k/v at its own position (a slice write per row, not a scatter) and attends
+over its own cache slots, only as many as the longest row needs (`length`), and samples
+with its own settings and key (`fold_in(key(seed), step)`, as `--inference` does). Free
+slots among the rows run are masked by `active` (what they write is dropped at the chunk's
+end, so a free row's kept prompt stays); a chunk runs only the first rows, as many as the
+highest busy slot needs, rounded up to a power of two. Each row count and length is its own
+compiled program, all compiled at start-up.
 
     >>> batch = empty_batch(model, rows=4)                           # doctest: +SKIP
     >>> batch = put_row(batch, row_carry, np.int32(2))
@@ -94,7 +96,9 @@ def take_row(batch: dict, slot) -> dict:
     return row
 
 
-@partial(jax.jit, static_argnums=0, static_argnames=("chunk_size", "rows"), donate_argnums=2)
+@partial(
+    jax.jit, static_argnums=0, static_argnames=("chunk_size", "rows", "length"), donate_argnums=2
+)
 def batch_chunk(
     graphdef,
     state,
@@ -105,35 +109,33 @@ def batch_chunk(
     *,
     chunk_size: int,
     rows: int,
+    length: int | None = None,
 ) -> tuple[dict, jax.Array]:
     """n_steps (traced, <= chunk_size) decode steps of every active row; the host keeps each
-    active row's pos + n_steps <= block_size. Only the first `rows` rows run (the host puts
-    every active row there): a few requests cost a few rows' compute, not the whole batch's.
-    Returns (batch, out) for those rows: out["token"] [rows, chunk_size] (PAD_ID for free
-    slots, for rows past their stop token and past n_steps) and each token's `token_scores`
-    ("logprob" [rows, chunk_size], "top_ids"/"top_logprobs" [rows, chunk_size, 5])."""
+    active row's pos + n_steps <= length (default block_size). Only the first `rows` rows run
+    (the host puts every active row there): a few requests cost a few rows' compute, not the
+    whole batch's. They attend over the first `length` cache slots only: short rows cost
+    short attention. Returns (batch, out) for those rows: out["token"] [rows, chunk_size]
+    (PAD_ID for free slots, for rows past their stop token and past n_steps) and each token's
+    `token_scores` ("logprob" [rows, chunk_size], "top_ids"/"top_logprobs" [rows,
+    chunk_size, 5])."""
     model = nnx.merge(graphdef, state)
-    head = jax.tree_util.tree_map(lambda x: x[:rows], batch)
+    length = length or model.cfg.block_size
+    head = jax.tree_util.tree_map(lambda x: x[:rows], {**batch, "cache": None})
+    head["cache"] = jax.tree_util.tree_map(lambda x: x[:rows, :, :length], batch["cache"])
     settings = jax.tree_util.tree_map(lambda x: x[:rows], settings)
     active_B = active_B[:rows]
 
-    def decode_row(token, cache_row, pos):
-        cache = jax.tree_util.tree_map(lambda x: x[None], cache_row)
-        logits_1x1xV, cache = model.decode(token[None, None], cache, pos)
-        return logits_1x1xV[0, 0], jax.tree_util.tree_map(lambda x: x[0], cache)
-
-    def write_ctx(ctx_S, token, pos):
-        return jax.lax.dynamic_update_index_in_dim(ctx_S, token, pos, axis=0)
-
-    # A free row runs too, at the last position: that slot is never part of a kept prompt
-    # prefix, and a position past the context (a finished row's) would give NaNs that reach
-    # later requests of that row through attention's probabilities x V.
-    last = model.cfg.block_size - 1
+    # A free row runs too, at the last slot run: a position past them (a finished row's) would
+    # give NaNs. What it writes there is dropped below (its kept prompt prefix stays).
+    last = length - 1
 
     def step(c):
         pos_B = jnp.where(active_B, c["pos"], last)
-        logits_BxV, cache = jax.vmap(decode_row)(c["pending"], c["cache"], pos_B)
-        ctx = jax.vmap(write_ctx)(c["ctx"], c["pending"], pos_B)
+        logits_Bx1xV, cache = model.decode(c["pending"][:, None], c["cache"], pos_B)
+        logits_BxV = logits_Bx1xV[:, 0]
+        at_BxS = jnp.arange(c["ctx"].shape[1]) == pos_B[:, None]  # a select, not a scatter
+        ctx = jnp.where(at_BxS, c["pending"][:, None], c["ctx"])
         keys_B = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
             settings["seed"], c["step"]
         )
@@ -155,7 +157,15 @@ def batch_chunk(
         return c, {"token": emitted_B, **scores}
 
     head, out_R = run_steps(step, head, n_steps, chunk_size)
+    kept_Rx1x1x1 = active_B[:, None, None, None]
+    head["cache"] = jax.tree_util.tree_map(
+        lambda whole, part: jnp.where(kept_Rx1x1x1, part, whole[:rows, :, :length]),
+        batch["cache"],
+        head["cache"],
+    )
     batch = jax.tree_util.tree_map(
-        lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=0), batch, head
+        lambda whole, part: jax.lax.dynamic_update_slice(whole, part, (0,) * whole.ndim),
+        batch,
+        head,
     )
     return batch, out_R

@@ -123,6 +123,9 @@ class Engine:
         # Row counts a chunk may run: powers of two below `rows`, and `rows` (admission prefers
         # low slots, so few requests stay in few rows).
         self.row_counts = sorted({*(2**i for i in range(rows.bit_length()) if 2**i < rows), rows})
+        # Cache lengths a chunk may attend over: the context, and its half, quarter and eighth
+        # (at least 32 slots), so that short rows cost short attention.
+        self.lengths = sorted({max(self.size >> i, min(32, self.size)) for i in range(4)})
         # -- the engine thread's own (see the threading contract) --
         self.batch = empty_batch(model, rows)
         self.settings = batch_settings(rows)
@@ -150,7 +153,8 @@ class Engine:
                 self.kept[0] = None  # so the next width runs cold
         self._admit(0, Request([0] * min(self.window + 2, self.size), 2, _ignore))
         for rows in self.row_counts:
-            self._chunk(1, rows)
+            for length in self.lengths:
+                self._chunk(1, rows, length)
         self._slide(0, force=True)
         self._release(0)
         self.kept[0] = None
@@ -338,13 +342,18 @@ class Engine:
         self.pos[slot] = keep
         self.kept[slot] = None  # the cache now holds other tokens at those positions
 
-    def _chunk(self, steps: int, rows: int | None = None) -> dict[str, np.ndarray]:
+    def _chunk(self, steps: int, rows: int | None = None, length: int | None = None):
         """One compiled chunk over the first rows that hold every busy slot (the smallest
-        count in `row_counts` that does); its outputs on the host, [rows, steps, ...]."""
+        count in `row_counts` that does), attending over the fewest cache slots that hold
+        every busy row's context to the chunk's end (`lengths`); its outputs on the host,
+        {name: [rows, steps, ...]}."""
         active = np.array([r is not None for r in self.slots])
         if rows is None:
             needed = int(np.flatnonzero(active).max()) + 1 if active.any() else 1
             rows = next(n for n in self.row_counts if n >= needed)
+        if length is None:
+            needed = int(self.pos[active].max()) + steps if active.any() else 1
+            length = next(n for n in self.lengths if n >= needed)
         self.batch, out = batch_chunk(
             self.graphdef,
             self.state,
@@ -354,6 +363,7 @@ class Engine:
             np.int32(steps),
             chunk_size=self.chunk_steps,
             rows=rows,
+            length=length,
         )
         self.pos[active] += steps
         return {k: v[:, :steps] for k, v in jax.device_get(out).items()}
