@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from model.decoding.generate import generate_all
 from model.decoding.sampling import SEED_MAX, SamplingParams
 from model.serving.engine import Engine, EngineStopping, QueueFull, Request
 from model.serving.text import StopText
@@ -201,3 +202,31 @@ def test_the_stop_scan_is_linear_in_the_text():
     sent = "".join(text.feed(b"xxxxxxxx") for _ in range(2000))
     assert time.perf_counter() - started < 20  # a complexity guard, not a speed target
     assert sent == "x" * (16_000 - 4000) and not text.stopped
+
+
+def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(tokenizer):
+    # Rows of different lengths share chunks: each chunk attends over as many cache slots as
+    # its longest row needs (32, 48 or 64 here), and every row slides past the context (64).
+    prompts = [prompt_of(20, 3), prompt_of(21, 30), prompt_of(22, 50)]
+    settings_of = [SamplingParams(temperature=0.0), SamplingParams(0.9, 5, 0.95, 7),
+                   SamplingParams(1.1, 0, 0.9, 8)]  # fmt: skip
+    # a chaotic model (kernel scale 3): its next token depends on the whole context
+    model = tiny_model(seed=5, kernel_scale=3.0, block_size=BLOCK)
+    engine = Engine(model, tokenizer, rows=4, queue_size=16, chunk_steps=4)
+    engine.start()
+    collects = [Collect() for _ in prompts]
+    for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
+        engine.submit(Request(ids, 90, collect, sampling=params, logprobs=0))
+    for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
+        assert collect.ended.wait(60)
+        got = np.concatenate([t["token"] for t in collect.of("tokens")])
+        expected = generate_all(
+            model, ids, max_new_tokens=90, temperature=params.temperature,
+            top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+            stop_token=engine.stop_token,
+        )[0]  # fmt: skip
+        expected = expected[expected >= 0]
+        if expected[-1] == engine.stop_token:  # the engine ends there, without sending it
+            expected = expected[:-1]
+        np.testing.assert_array_equal(got, expected)
+    engine.stop()

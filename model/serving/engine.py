@@ -11,10 +11,12 @@ A chunk right after an admission is one step long, so a new request's first toke
 one step, not a whole chunk; otherwise chunks are `chunk_size` steps (fewer when a row's
 context fills up first).
 
-Prefix reuse (as llama.cpp's `cache_prompt`): a row keeps its last prompt's K/V after the
-request leaves. A new request takes the free row whose kept prompt shares the longest start
-with its own, and prefills only from there (one token before it, whose logits it needs).
-Log-probabilities of the reused prompt tokens are kept with the row when they were computed.
+Prefix reuse (as llama.cpp's `cache_prompt`): a row keeps its prompt's K/V, also after the
+request leaves. A new request takes the lowest free row (few busy rows, few rows computed),
+starts from a copy of the cache row whose kept prompt shares the longest start with its own
+(its own row's, or any other's), and prefills only from there (one token before it, whose
+logits it needs). Log-probabilities of the reused prompt tokens are kept with the row when
+they were computed.
 
 Threading contract: the engine thread alone owns the batch, the rows (`slots`, `pos`,
 `texts`, the kept prefixes) and every compiled call; before `start` returns, the thread that
@@ -46,6 +48,7 @@ from model.decoding.prompts import stop_token_of
 from model.decoding.sampling import SamplingParams
 from model.decoding.steps import PAD_ID, refill, start_carry, window_size
 from model.network.gpt import GPT
+from model.network.params import sampling_device
 from model.serving.batch import batch_chunk, batch_settings, empty_batch, put_row, take_row
 from model.serving.text import StopText
 from tokenizer import Tokenizer
@@ -91,6 +94,16 @@ class Request:
 
 
 @dataclass
+class Launched:
+    """A chunk in flight: its outputs (device arrays), its steps, and the request each busy
+    row held when it was launched."""
+
+    out: dict
+    steps: int
+    requests: dict[int, Request]
+
+
+@dataclass
 class KeptPrefix:
     """A row's cache holds these context tokens at positions 0.. (and, when computed, the
     prompt's scores at those positions)."""
@@ -123,16 +136,22 @@ class Engine:
         # Row counts a chunk may run: powers of two below `rows`, and `rows` (admission prefers
         # low slots, so few requests stay in few rows).
         self.row_counts = sorted({*(2**i for i in range(rows.bit_length()) if 2**i < rows), rows})
-        # Cache lengths a chunk may attend over: the context, and its half, quarter and eighth
-        # (at least 32 slots), so that short rows cost short attention.
-        self.lengths = sorted({max(self.size >> i, min(32, self.size)) for i in range(4)})
+        # Cache lengths a chunk may attend over: 1/8, 1/4, 1/2, 3/4 and all of the context (at
+        # least 32 slots), so that short rows cost short attention.
+        self.lengths = sorted(
+            {max(self.size * k // 8, min(32, self.size)) for k in (1, 2, 4, 6, 8)}
+        )
         # -- the engine thread's own (see the threading contract) --
         self.batch = empty_batch(model, rows)
         self.settings = batch_settings(rows)
+        # The settings and the busy mask as the device holds them: sent again only after they
+        # change (an admission, a request leaving), not with every chunk.
+        self._on_device: tuple[bytes, dict, jax.Array] | None = None
         self.pos = np.zeros(rows, np.int32)  # host copy of each row's position
         self.slots: list[Request | None] = [None] * rows
         self.texts: list[StopText | None] = [None] * rows
         self.kept: list[KeptPrefix | None] = [None] * rows
+        self._in_flight: Launched | None = None  # the chunk launched last, not yet delivered
         # -- shared, under _lock --
         self._lock = threading.Condition()
         self.waiting: collections.deque[Request] = collections.deque()
@@ -154,7 +173,7 @@ class Engine:
         self._admit(0, Request([0] * min(self.window + 2, self.size), 2, _ignore))
         for rows in self.row_counts:
             for length in self.lengths:
-                self._chunk(1, rows, length)
+                jax.block_until_ready(self._chunk(1, rows, length))
         self._slide(0, force=True)
         self._release(0)
         self.kept[0] = None
@@ -216,29 +235,40 @@ class Engine:
             self._fail_all(reason)
 
     def _step(self) -> bool:
-        """Admit, slide, decode one chunk, deliver. False once stopping."""
+        """Admit, slide, launch one chunk, then deliver the chunk before it while this one
+        computes (the host's work overlaps the device's). False once stopping."""
         admitted = self._take_waiting()
         if admitted is None:
             return False
         for slot, request in admitted:
             self._guarded(slot, self._admit, slot, request)
         live = [s for s in range(self.rows) if self.slots[s] is not None]
-        if not live:
-            return True
-        for slot in live:
-            self._slide(slot)
-        steps = 1 if admitted else self.chunk_steps
-        steps = min(steps, *(self.size - int(self.pos[s]) for s in live))
-        out = self._chunk(steps)
-        for slot in live:
-            self._guarded(slot, self._deliver, slot, out, steps)
+        launched = None
+        if live:
+            for slot in live:
+                self._slide(slot)
+            steps = 1 if admitted else self.chunk_steps
+            steps = min(steps, *(self.size - int(self.pos[s]) for s in live))
+            launched = Launched(self._chunk(steps), steps, {s: self.slots[s] for s in live})
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._deliver_chunk(previous)
         return True
+
+    def _deliver_chunk(self, chunk: Launched) -> None:
+        """Hand each request of a finished chunk its tokens. A request that ended in the chunk
+        before has been released since (its row ran one chunk more, for nothing): skipped."""
+        out = {k: v[:, : chunk.steps] for k, v in jax.device_get(chunk.out).items()}
+        for slot, request in chunk.requests.items():
+            if self.slots[slot] is request:
+                self._guarded(slot, self._deliver, slot, out)
 
     def _take_waiting(self) -> list[tuple[int, Request]] | None:
         """Wait for work; free the rows of cancelled requests; pair waiting requests with free
-        rows (the row whose kept prefix is longest for each). None once stopping."""
+        rows, lowest first. None once stopping."""
         with self._lock:
-            while self._stopping is None and not self.waiting and not any(self.slots):
+            idle = self._in_flight is None and not any(self.slots)
+            while self._stopping is None and not self.waiting and idle:
                 self._lock.wait()
             if self._stopping is not None:
                 return None
@@ -251,9 +281,7 @@ class Engine:
                 request = self.waiting.popleft()
                 if request.cancelled.is_set():
                     continue
-                slot = max(free, key=lambda s: (self._shared(s, request)[0], -s))
-                free.remove(slot)
-                admitted.append((slot, request))
+                admitted.append((free.pop(0), request))
             return admitted
 
     def _guarded(self, slot: int, work: Callable, *args) -> None:
@@ -285,11 +313,13 @@ class Engine:
     def _admit(self, slot: int, request: Request) -> None:
         prompt = np.asarray(request.prompt_ids, np.int32)
         keep = len(prompt) - 1
-        shared, kept = self._shared(slot, request)
+        # The row whose kept prompt shares the longest start (this one on a tie); a cold start
+        # takes this row's cache too: slots past pos are masked, whatever they hold.
+        source = max(range(self.rows), key=lambda s: (self._shared(s, request)[0], s == slot))
+        shared, kept = self._shared(source, request)
         start = max(shared - 1, 0)  # run the last shared token again: its logits are needed
         row = start_carry(self.model, prompt, 1, use_cache=False)
-        # A cold row reuses the slot's cache too: slots past pos are masked, whatever they hold.
-        row["cache"] = take_row(self.batch, np.int32(slot))["cache"]
+        row["cache"] = take_row(self.batch, np.int32(source if start else slot))["cache"]
         scored = request.scores_prompt
 
         def run(carry, shift, at, keep, width):
@@ -345,8 +375,8 @@ class Engine:
     def _chunk(self, steps: int, rows: int | None = None, length: int | None = None):
         """One compiled chunk over the first rows that hold every busy slot (the smallest
         count in `row_counts` that does), attending over the fewest cache slots that hold
-        every busy row's context to the chunk's end (`lengths`); its outputs on the host,
-        {name: [rows, steps, ...]}."""
+        every busy row's context to the chunk's end (`lengths`); its outputs as the device
+        computes them, {name: [rows, chunk_size, ...]}."""
         active = np.array([r is not None for r in self.slots])
         if rows is None:
             needed = int(np.flatnonzero(active).max()) + 1 if active.any() else 1
@@ -354,21 +384,30 @@ class Engine:
         if length is None:
             needed = int(self.pos[active].max()) + steps if active.any() else 1
             length = next(n for n in self.lengths if n >= needed)
+        settings, active_on_device = self._device_inputs(active)
         self.batch, out = batch_chunk(
             self.graphdef,
             self.state,
             self.batch,
-            self.settings,
-            active,
+            settings,
+            active_on_device,
             np.int32(steps),
             chunk_size=self.chunk_steps,
             rows=rows,
             length=length,
         )
         self.pos[active] += steps
-        return {k: v[:, :steps] for k, v in jax.device_get(out).items()}
+        return out
 
-    def _deliver(self, slot: int, out: dict[str, np.ndarray], steps: int) -> None:
+    def _device_inputs(self, active: np.ndarray) -> tuple[dict, jax.Array]:
+        key = active.tobytes() + b"".join(v.tobytes() for v in self.settings.values())
+        if self._on_device is None or self._on_device[0] != key:
+            device = sampling_device()
+            moved = jax.device_put((self.settings, active), device)
+            self._on_device = (key, *moved)
+        return self._on_device[1], self._on_device[2]
+
+    def _deliver(self, slot: int, out: dict[str, np.ndarray]) -> None:
         request, text = self.slots[slot], self.texts[slot]
         if request.cancelled.is_set():
             self._release(slot)
