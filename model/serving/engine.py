@@ -34,9 +34,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import jax
 import numpy as np
@@ -133,14 +136,13 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         # Prompt pieces a prefill may run: 16, 32, ... up to --inference's refill window.
         self.prefill_widths = sorted({min(2**i, self.window) for i in range(4, 16)} | {self.window})
-        # Row counts a chunk may run: powers of two below `rows`, and `rows` (admission prefers
-        # low slots, so few requests stay in few rows).
-        self.row_counts = sorted({*(2**i for i in range(rows.bit_length()) if 2**i < rows), rows})
-        # Cache lengths a chunk may attend over: 1/8, 1/4, 1/2, 3/4 and all of the context (at
-        # least 32 slots), so that short rows cost short attention.
-        self.lengths = sorted(
-            {max(self.size * k // 8, min(32, self.size)) for k in (1, 2, 4, 6, 8)}
-        )
+        # Row counts a chunk may run: powers of four below `rows`, and `rows` (admission takes
+        # the lowest free row, so few requests stay in few rows).
+        self.row_counts = sorted({*(4**i for i in range(rows.bit_length()) if 4**i < rows), rows})
+        # Cache lengths a chunk may attend over: a quarter, half or all of the context (at
+        # least 32 slots), so that short rows cost short attention. Each (row count, length)
+        # pair is a program compiled at start-up (about 2 s each on a 2-core CPU): few.
+        self.lengths = sorted({max(self.size * k // 4, min(32, self.size)) for k in (1, 2, 4)})
         # -- the engine thread's own (see the threading contract) --
         self.batch = empty_batch(model, rows)
         self.settings = batch_settings(rows)
@@ -164,7 +166,9 @@ class Engine:
     # -- the public side (any thread) ---------------------------------------------------------
 
     def start(self) -> None:
-        """Compile the programs (a request through every path), then serve."""
+        """Compile the programs (side by side, then a request through every path), then
+        serve."""
+        self._compile_ahead()
         for scored in (False, True):
             for width in self.prefill_widths:
                 self._admit(0, Request([0] * (width + 1), 2, _ignore, logprobs=0, echo=scored))
@@ -178,6 +182,46 @@ class Engine:
         self._release(0)
         self.kept[0] = None
         self._thread.start()
+
+    def _compile_ahead(self) -> None:
+        """Compile every program this engine runs on a pool of threads (XLA compiles outside
+        the GIL); the warm-up calls in `start` then find them compiled."""
+        row = start_carry(self.model, np.zeros(2, np.int32), 1, use_cache=True)
+        scalar = np.int32(0)
+        settings, active = self._device_inputs(np.zeros(self.rows, bool))
+        jobs = [
+            partial(
+                refill.lower,
+                self.graphdef,
+                self.state,
+                row,
+                scalar,
+                scalar,
+                scalar,
+                width=width,
+                scored=scored,
+            )
+            for scored in (False, True)
+            for width in self.prefill_widths
+        ]
+        jobs += [
+            partial(
+                batch_chunk.lower,
+                self.graphdef,
+                self.state,
+                self.batch,
+                settings,
+                active,
+                scalar,
+                chunk_size=self.chunk_steps,
+                rows=rows,
+                length=length,
+            )
+            for rows in self.row_counts
+            for length in self.lengths
+        ]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(lambda lower: lower().compile(), jobs))
 
     def submit(self, request: Request) -> None:
         """Queue a request: QueueFull when `queue_size` wait already, EngineStopping once
@@ -365,7 +409,10 @@ class Engine:
         shift = max(int(self.pos[slot]) - keep, 0)
 
         def run(carry, shift, at, keep, width):
-            return refill(self.graphdef, self.state, carry, shift, at, keep, width=width), None
+            out = refill(
+                self.graphdef, self.state, carry, shift, at, keep, width=width, scored=False
+            )
+            return out, None
 
         row = prefill_pieces(run, row, shift=shift, keep=keep, widths=(self.window,))[0]
         self.batch = put_row(self.batch, row, np.int32(slot))
