@@ -82,7 +82,7 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
     )
     sys.stderr.flush()
     try:
-        stopping_server_class()(config, engine).run(sockets=[listener])
+        stopping_server_class()(config, engine, app.server).run(sockets=[listener])
     finally:
         engine.stop()
         listener.close()
@@ -91,18 +91,20 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
 
 def stopping_server_class():
     """uvicorn.Server that, on Ctrl-C or SIGTERM, also drains the engine: new requests get
-    503 at once, requests in flight may finish for GRACE_S - 1 s, then get an error event
-    (so their streams end cleanly before uvicorn's own grace period cuts connections)."""
+    503 at once, and so do requests whose bodies are still being sent; requests in flight may
+    finish for GRACE_S - 1 s, then get an error event (so their streams end cleanly before
+    uvicorn's own grace period cuts connections)."""
     import uvicorn
 
     class StoppingServer(uvicorn.Server):
-        def __init__(self, config, engine) -> None:
+        def __init__(self, config, engine, server) -> None:
             super().__init__(config)
-            self.engine = engine
+            self.engine, self.server = engine, server
 
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
                 self.engine.drain()
+                self.server.close_bodies()
                 timer = threading.Timer(GRACE_S - 1, self.engine.stop)
                 timer.daemon = True
                 timer.start()

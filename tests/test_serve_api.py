@@ -11,6 +11,7 @@ JSON-only bodies, the Host check.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 from pathlib import Path
@@ -271,3 +272,14 @@ def test_a_non_ascii_authorization_header_is_a_401(run_dir):
         # With a key, any Host may ask (the key is the defense); /metrics stays open.
         other = httpx.get(keyed.url + "/metrics", headers={"host": "example.org"})
         assert other.status_code == 200
+
+
+def test_a_half_sent_body_at_sigterm_ends_cleanly(run_dir):
+    with ServerProcess(run_dir, "serve.batch_size=1") as fresh:
+        sock = connect(fresh)
+        sock.sendall(head(1000) + b'{"prompt": "to be')  # the rest never comes
+        time.sleep(0.5)
+        assert fresh.stop(signal.SIGTERM) == 143
+        sock.close()
+    assert not any("Traceback" in line for line in fresh.lines), fresh.lines
+    assert fresh.lines[-1] == "tinyllm: interrupted by SIGTERM", fresh.lines[-3:]

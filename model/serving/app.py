@@ -128,6 +128,9 @@ class Server:
         # A prompt of more bytes than this cannot fit, whatever it is: refused before encoding.
         self.max_prompt_bytes = self.max_prompt * max(longest, 1)
         self.buffered = 0  # request-body bytes held by all requests now being read
+        self.closing = False  # shutting down: bodies still being sent get 503
+        self._deadlines: set = set()  # the body reads' timeouts (the event loop's own)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.metrics = ServeMetrics(engine.stats)
 
     # -- routes ---------------------------------------------------------------------------------
@@ -218,8 +221,13 @@ class Server:
         if declared and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, self._too_large())
         data = bytearray()
+        self._loop = asyncio.get_running_loop()
+        deadline = None
         try:
-            async with asyncio.timeout(self.cfg.request_timeout_s):
+            async with asyncio.timeout(self.cfg.request_timeout_s) as deadline:
+                self._deadlines.add(deadline)
+                if self.closing:
+                    deadline.reschedule(self._loop.time())
                 async for part in request.stream():
                     if self.buffered + len(part) > self.cfg.max_buffered_bytes:
                         raise ApiError(503, "the server is reading too many bodies: retry later")
@@ -228,17 +236,31 @@ class Server:
                     if len(data) > limit:
                         raise ApiError(413, self._too_large())
         except TimeoutError:
+            if self.closing:
+                raise ApiError(503, "the server is shutting down", "server_busy") from None
             raise ApiError(408, "the request body was not sent in time") from None
         except ClientDisconnect:
             raise Gone from None
         finally:
             self.buffered -= len(data)
+            self._deadlines.discard(deadline)
         try:
             return json.loads(data)
         except (ValueError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON") from None
         except RecursionError:
             raise ApiError(400, "the request body is nested too deeply") from None
+
+    def close_bodies(self) -> None:
+        """Shutdown began (any thread, a signal handler too): requests whose bodies are still
+        being sent get 503 now, rather than being cancelled mid-read when the grace ends."""
+        self.closing = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._expire_deadlines)
+
+    def _expire_deadlines(self) -> None:
+        for deadline in list(self._deadlines):
+            deadline.reschedule(self._loop.time())
 
     def _too_large(self) -> str:
         return f"the request body is larger than {self.cfg.max_request_bytes} bytes"
@@ -441,10 +463,11 @@ def build_app(
             Exception: _server_error,
         },
     )
-    app.state.server = server
     counted = _Counted(app, server.metrics)
     allowed = bound_hosts(cfg.host, port, cfg.allowed_hosts)
-    return HostCheck(counted, allowed, cfg.allowed_hosts, keyed=bool(cfg.api_key))
+    guarded = HostCheck(counted, allowed, cfg.allowed_hosts, keyed=bool(cfg.api_key))
+    guarded.server = server  # for the stage's shutdown (Server.close_bodies)
+    return guarded
 
 
 class _Counted:
