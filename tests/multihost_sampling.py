@@ -23,6 +23,7 @@ def main(run_dir: str) -> dict:
     import jax
 
     from model.decoding.generate import generate_all
+    from model.decoding.sampling import SamplingParams
     from model.rundir.trained import open_trained_run
     from model.serving.engine import Engine, Request
 
@@ -32,7 +33,9 @@ def main(run_dir: str) -> dict:
     events: queue.Queue = queue.Queue()
     engine = Engine(model, tokenizer, rows=2, queue_size=2)
     engine.start()
-    engine.submit(Request(prompt, 8, lambda kind, data: events.put((kind, data)), temperature=0))
+    engine.submit(
+        Request(prompt, 8, lambda kind, data: events.put((kind, data)), SamplingParams(0.0))
+    )
     text = ""
     while True:
         kind, data = events.get(timeout=120)

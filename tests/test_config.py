@@ -110,7 +110,7 @@ def test_round_trip_through_dict():
         ("train.eval_steps=0", "train.eval_steps must be positive"),
         ("sample.temperature=inf", "sample.temperature must be a finite number"),
         ("sample.top_p=nan", "sample.top_p must be in \\(0, 1\\]"),
-        ("sample.top_k=-1", "sample.top_k must be >= 0"),
+        ("sample.top_k=-1", "sample.top_k must be an integer in 0..2147483647"),
         ("sample.max_new_tokens=1e10", "sample.max_new_tokens must be at most"),
         ("data.val_fraction=nan", "data.val_fraction must be in \\(0, 1\\)"),
         ('data.input=[""]', "data.input holds an empty file name"),

@@ -94,6 +94,8 @@ def test_serve_bench_starts_a_server_measures_and_stops_it(tmp_path):
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows[1:]]
     assert [(c[0], c[1], c[-1]) for c in cells] == [("1", "1", "0"), ("2", "2", "0")]
     assert "2 concurrent / sequential: " in proc.stdout
-    result = json.loads((tmp_path / "serve.json").read_text())["result"]
+    (run,) = json.loads((tmp_path / "serve.json").read_text())["runs"]
+    result = run["result"]
     for summary in [*result["clients"], result["sequential"]]:
         assert summary["tokens"] == 4 * summary["requests"] and summary["failed"] == 0
+    assert "one request: decode" in proc.stdout and result["inference_per_s"] > 0

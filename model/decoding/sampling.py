@@ -42,7 +42,9 @@ class SamplingParams:
 
     def checked(self, prefix: str = "") -> SamplingParams:
         t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
-        if not _is_number(t) or not math.isfinite(t) or t < 0:
+        if not _is_number(t) or not math.isfinite(t):
+            raise UsageError(f"{prefix}temperature must be a finite number, got {t!r}")
+        if t < 0:
             raise UsageError(f"{prefix}temperature must be >= 0 (0 = greedy), got {t!r}")
         if not _is_int(k) or not 0 <= k <= TOP_K_MAX:
             raise UsageError(
