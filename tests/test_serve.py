@@ -27,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 
 import tinyllm  # noqa: E402
 from tests.serve_helpers import ServerProcess  # noqa: E402
-from tests.tiny_runs import ROOT, train_tiny_run  # noqa: E402
+from tests.tiny_runs import ROOT, served_run  # noqa: E402
 
 # Short prompts, and one longer than the refill window (16 tokens): prefilled by --inference's
 # own refill program rather than one short pass.
@@ -40,9 +40,7 @@ LONG = 40  # new tokens: past the 32-token context, so every row slides at least
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A tiny BPE run (the demo's config, shrunk), with an end-of-text token."""
-    base = tmp_path_factory.mktemp("serve")
-    extra = ("tokenizer.vocab_size=270", "model.block_size=32", "train.max_steps=12")
-    return train_tiny_run(base, *extra, config="shakespeare")
+    return served_run(tmp_path_factory, "serve")
 
 
 @pytest.fixture(scope="module")

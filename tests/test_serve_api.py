@@ -29,7 +29,7 @@ httpx = pytest.importorskip("httpx")
 from model.rundir.trained import open_trained_run  # noqa: E402
 from tests.serve_helpers import ServerProcess  # noqa: E402
 from tests.tiny_models import forward  # noqa: E402
-from tests.tiny_runs import train_tiny_run  # noqa: E402
+from tests.tiny_runs import served_run  # noqa: E402
 
 LIMITS = (
     "serve.batch_size=4",
@@ -44,9 +44,7 @@ LIMITS = (
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("serve_api")
-    extra = ("tokenizer.vocab_size=270", "model.block_size=32", "train.max_steps=12")
-    return train_tiny_run(base, *extra, config="shakespeare")
+    return served_run(tmp_path_factory, "serve_api")
 
 
 @pytest.fixture(scope="module")

@@ -68,3 +68,11 @@ def train_tiny_run(
     run_tokenize(cfg, base / "run")
     run_train(cfg, base / "run")
     return base / "run"
+
+
+def served_run(tmp_path_factory, name: str) -> Path:
+    """The tiny BPE run the server tests serve: the demo's config, shrunk (an end-of-text
+    token, a 32-token context)."""
+    base = tmp_path_factory.mktemp(name)
+    extra = ("tokenizer.vocab_size=270", "model.block_size=32", "train.max_steps=12")
+    return train_tiny_run(base, *extra, config="shakespeare")

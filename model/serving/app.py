@@ -175,8 +175,6 @@ class Server:
         text = body.get("prompt") if isinstance(body, dict) else None
         if not isinstance(text, str):
             raise ApiError(400, "'prompt' is required and must be a string")
-        if len(text) > self.cfg.max_request_bytes:
-            raise ApiError(413, self._too_large())
         try:
             tokens = await run_in_threadpool(self.tokenizer.encode, text)
         except (UnicodeError, UsageError):
