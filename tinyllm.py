@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-from",
         dest="init_from",
         metavar="DIR",
-        help="Hugging Face GPT-2 directory (or hub id): fine-tune it (--train), sample it",
+        help="Hugging Face GPT-2, Llama or Qwen3 directory (or hub id): fine-tune or sample it",
     )
     run.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
 
@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenize and cfg.init_from:
         from plumbing.errors import UsageError
 
-        raise UsageError("--init-from brings GPT-2's own tokenizer: drop --tokenize")
+        raise UsageError("--init-from brings the checkpoint's own tokenizer: drop --tokenize")
     if args.tokenize or args.train:
         with run_dir_lock(run_dir):  # released before --inference, which only reads
             run_writing_stages(args, cfg, run_dir)

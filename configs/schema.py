@@ -34,7 +34,7 @@ from tokenizer.config import DataConfig, TokenizerConfig
 @dataclass
 class Config:
     name: str = "default"  # names the run directory runs/<name>
-    # A Hugging Face GPT-2 directory (config.json, model.safetensors, vocab.json, merges.txt)
+    # A Hugging Face GPT-2, Llama or Qwen3 directory (config.json, model.safetensors, tokenizer)
     # or hub id: --train fine-tunes it, --inference samples it (model/interop/).
     init_from: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)

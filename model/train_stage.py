@@ -1,9 +1,9 @@
 """The --train stage: the run's tokenizer and corpus -> token cache -> trained checkpoints.
 
 What it reads and checks, in order: the package `train.tracker` needs, the tokenizer
-(`--tokenize` made it, or `--init-from` brings GPT-2's), the model's shape and whether it fits
-in memory, what `--resume` continues (model/training/resume.py), the corpus encoded once into
-the token cache (model/training/data.py); then the compiled step (model/training/trainer.py)
+(`--tokenize` made it, or `--init-from` brings the checkpoint's), the model's shape and whether
+it fits in memory, what `--resume` continues (model/training/resume.py), the corpus encoded once
+into the token cache (model/training/data.py); then the compiled step (model/training/trainer.py)
 runs in the loop (model/training/loop.py), which writes checkpoints, metrics.jsonl (also sent
 to `train.tracker`, model/training/tracking.py) and the loss curve.
 
@@ -97,7 +97,8 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
 
 
 def _run_tokenizer(cfg: Config, run_dir: Path, resume: bool) -> Tokenizer:
-    """The run directory's tokenizer; fine-tuning GPT-2 first saves GPT-2's there."""
+    """The run directory's tokenizer; fine-tuning a Hugging Face checkpoint first saves the
+    checkpoint's there."""
     tok_path = run_dir / TOKENIZER_FILE
     if cfg.init_from and not resume:
         from model.interop.hf_import import save_hf_tokenizer
@@ -128,7 +129,8 @@ def _model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
 
 def _starting_weights(trainer: Trainer, checkpoints: Checkpoints, cfg: Config, resume: bool) -> int:
     """Put the weights training starts from into `trainer`: the newest intact checkpoint
-    (--resume), GPT-2's (--init-from) or the fresh initialisation. Returns the step."""
+    (--resume), a Hugging Face checkpoint's (--init-from) or the fresh initialisation. Returns
+    the step."""
     if resume:
         step, (trainer.params, trainer.opt_state, _) = checkpoints.restore_newest(
             lambda step: checkpoints.restore(step, trainer.params, trainer.opt_state),
@@ -139,7 +141,7 @@ def _starting_weights(trainer: Trainer, checkpoints: Checkpoints, cfg: Config, r
     if cfg.init_from:
         from model.interop.hf_import import load_hf_params
 
-        trainer.params = load_hf_params(cfg.init_from, trainer.params)
+        trainer.params = load_hf_params(cfg.init_from, trainer.params, cfg.model)
     return 0
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from model.interop.hf_format import EOT
-from model.interop.hf_import import load_hf_gpt2, load_hf_tokenizer
+from model.interop.hf_import import load_hf_model, load_hf_tokenizer
 from plumbing.errors import UsageError
 from tests.test_hf_gpt2 import (  # noqa: F401 (bpe, corpus, hf: fixtures)
     ODD_TEXTS,
@@ -227,7 +227,7 @@ def test_init_from_either_layout_gives_transformers_logits_and_greedy_text(
         assert not names & {"vocab.json", "merges.txt"}, names
     else:
         assert {"vocab.json", "merges.txt"} <= names, names
-    tokenizer, model = load_hf_gpt2(str(directory))
+    tokenizer, model = load_hf_model(str(directory))
     assert same_tokenizer(tokenizer, bpe)
     for text in ODD_TEXTS:
         assert their_tokenizer(text)["input_ids"] == tokenizer.encode(text), text

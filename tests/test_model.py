@@ -12,8 +12,9 @@ import pytest
 from flax import nnx
 
 from model.network.attention import CausalSelfAttention
+from model.network.config import ModelConfig
 from model.network.gpt import GPT, count_params, flops_per_token
-from model.network.layers import DenseMLP, swiglu_hidden
+from model.network.layers import DenseMLP
 from plumbing.errors import UsageError
 from tests.tiny_models import TINY, forward, tiny_model
 
@@ -51,15 +52,30 @@ def test_param_count_matches_formula():
     per_block = 2 * d + 3 * d * d + d * d + 2 * 4 * d * d
     assert count_params(abstract()) == v * d + t * d + l * per_block + d
 
-    hidden = swiglu_hidden(d)
+    hidden = ModelConfig(n_embd=d, mlp="swiglu").mlp_width
     per_block = 2 * d + 4 * d * d + 3 * d * hidden
     assert count_params(abstract(position="rope", mlp="swiglu")) == v * d + l * per_block + d
 
 
-def test_swiglu_hidden_width():
-    assert swiglu_hidden(768) == 2048
-    assert swiglu_hidden(32) == 88
-    assert swiglu_hidden(100) % 8 == 0
+def test_mlp_width():
+    def width(**kw):
+        return ModelConfig(**kw).mlp_width
+
+    assert width(n_embd=768, mlp="swiglu") == 2048
+    assert width(n_embd=32, mlp="swiglu") == 88
+    assert width(n_embd=100, mlp="swiglu") % 8 == 0
+    assert width(n_embd=32) == width(n_embd=32, mlp="relu2") == 128
+    assert width(n_embd=32, mlp="swiglu", mlp_hidden=40) == width(n_embd=32, mlp_hidden=40) == 40
+    assert ModelConfig(n_embd=32, mlp_hidden=40, moe_experts=2).expert_width == 40
+    assert ModelConfig(n_embd=32, mlp_hidden=40, moe_experts=2, moe_hidden=24).expert_width == 24
+
+
+def test_an_mlp_hidden_width_builds_layers_of_that_width():
+    model = abstract(mlp="swiglu", mlp_hidden=40)
+    assert model.blocks[0].mlp.gate.kernel.shape == (TINY.n_embd, 40)
+    assert model.blocks[0].mlp.c_proj.kernel.shape == (40, TINY.n_embd)
+    with pytest.raises(UsageError, match=r"model\.mlp_hidden must be an integer >= 0"):
+        ModelConfig(vocab_size=8, mlp_hidden=-1).validate()
 
 
 def test_flops_per_token_follows_nanogpt_formula():

@@ -20,7 +20,8 @@ from flax import nnx
 
 import tinyllm
 from configs.schema import load_config
-from model.network.layers import DenseMLP, SwiGLUMLP, swiglu_hidden
+from model.network.config import ModelConfig
+from model.network.layers import DenseMLP, SwiGLUMLP
 from model.network.moe import (
     MoEMLP,
     capacity_slots,
@@ -125,7 +126,11 @@ def test_gradients_reach_the_router_through_the_output(k):
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
 def test_one_expert_top1_equals_the_dense_mlp_with_the_same_weights(mlp):
     cfg = dataclasses.replace(TINY, mlp=mlp, bias=True, moe_experts=1, moe_top_k=1)
-    dense_cls, hidden = (DenseMLP, 128) if mlp == "gelu" else (SwiGLUMLP, swiglu_hidden(32))
+    dense_cls, hidden = (
+        (DenseMLP, 128)
+        if mlp == "gelu"
+        else (SwiGLUMLP, ModelConfig(n_embd=32, mlp="swiglu").mlp_width)
+    )
     dense = dense_cls(dataclasses.replace(cfg, moe_experts=0), rngs=nnx.Rngs(0))
     moe = _moe_layer(cfg, hidden=hidden)
     pairs = {"c_proj": "expert_proj"}

@@ -151,14 +151,16 @@ class BPETokenizer(Tokenizer):
     def from_tokenizer_json(
         cls, path: str | os.PathLike, special_tokens: Iterable[str] | None = None
     ) -> Self:
-        """Load a Hugging Face `tokenizer.json` of GPT-2's kind (all transformers 5 saves).
+        """Load a Hugging Face `tokenizer.json` of a byte-level BPE (all transformers 5 saves),
+        with its pre-tokenization regex (GPT-2's, or Llama 3's or Qwen's Split).
 
         Its added tokens (`<|endoftext|>`) are the special tokens, with their ids; or give
         `special_tokens` to choose them (one the file lacks gets a new id after the largest).
         """
-        vocab, merges, added = read_tokenizer_json(path)
+        vocab, merges, added, pattern = read_tokenizer_json(path)
         chosen = added if special_tokens is None else special_tokens
-        return cls(vocab, merges, _assign_specials(vocab, chosen, added, merges), "gpt2")
+        specials = _assign_specials(vocab, chosen, added, merges)
+        return cls(vocab, merges, specials, pattern)
 
     @classmethod
     def from_tiktoken(

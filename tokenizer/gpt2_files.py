@@ -5,8 +5,9 @@ GPT-2 stores byte strings as printable unicode strings: every byte maps to one c
 `vocab.json` (OpenAI's `encoder.json`) maps such strings to ids; `merges.txt` (`vocab.bpe`)
 lists the merges in rank order, one "left right" pair per line after a "#version" header.
 A Hugging Face `tokenizer.json` (all transformers 5 saves) holds the same vocab and merges
-in one JSON document, with the special tokens as `added_tokens`; only GPT-2's kind is read
-(a byte-level BPE model splitting text with GPT-2's regex, no normalizer).
+in one JSON document, with the special tokens as `added_tokens`; only byte-level BPE is read
+(GPT-2's regex in its ByteLevel pre-tokenizer, or any regex in a Split before a regex-free
+ByteLevel, as Llama 3 and Qwen write theirs; no normalizer).
 A `.tiktoken` file has one "base64(token) rank" per line and no merges: they are recovered.
 
     >>> bytes_to_unicode()[ord(" ")]
@@ -24,7 +25,9 @@ from pathlib import Path
 from plumbing.atomic import write_atomic
 from plumbing.errors import UsageError
 from plumbing.packages import package_dir
+from tokenizer.pretokenize import PATTERNS
 
+GPT2_PATTERN = PATTERNS["gpt2"]
 Vocab = dict[int, bytes]
 Merges = list[tuple[bytes, bytes]]
 
@@ -136,11 +139,17 @@ def _merge_lines(merges: Merges) -> list[str]:
 
 
 def write_tokenizer_json(
-    vocab: Vocab, merges: Merges, special_tokens: dict[str, int], path: str | os.PathLike
+    vocab: Vocab,
+    merges: Merges,
+    special_tokens: dict[str, int],
+    path: str | os.PathLike,
+    pattern: str | None = None,
 ) -> None:
-    """Write a Hugging Face `tokenizer.json` for GPT-2's byte-level BPE, as the `tokenizers`
+    """Write a Hugging Face `tokenizer.json` for a byte-level BPE, as the `tokenizers`
     library writes GPT-2's: ByteLevel pre-tokenizer (GPT-2's regex, no prefix space), decoder
     and post-processor, a BPE model, and the special tokens as added (never split) tokens.
+    Another pre-tokenization `pattern` (a regex source) goes in a Split before a regex-free
+    ByteLevel, as Llama 3's and Qwen's files have it.
 
     The merges are written as "left right" strings, which every `tokenizers` version reads;
     the [left, right] pairs it writes since 0.20 would break older ones.
@@ -163,13 +172,20 @@ def write_tokenizer_json(
         }
         for text, idx in sorted(special_tokens.items(), key=lambda kv: kv[1])
     ]
+    pre_tokenizer: dict = byte_level
+    if pattern not in (None, GPT2_PATTERN):
+        split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated"}
+        pre_tokenizer = {
+            "type": "Sequence",
+            "pretokenizers": [{**split, "invert": False}, {**byte_level, "use_regex": False}],
+        }
     document = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added,
         "normalizer": None,
-        "pre_tokenizer": byte_level,
+        "pre_tokenizer": pre_tokenizer,
         # add_prefix_space/trim_offsets here only move offsets (the library's GPT-2 values)
         "post_processor": {**byte_level, "add_prefix_space": True, "trim_offsets": False},
         "decoder": {**byte_level, "add_prefix_space": True},
@@ -189,14 +205,17 @@ def write_tokenizer_json(
     write_atomic(path, json.dumps(document, ensure_ascii=False))
 
 
-def read_tokenizer_json(path: str | os.PathLike) -> tuple[Vocab, Merges, dict[str, int]]:
-    """Read a Hugging Face `tokenizer.json` of GPT-2's kind (what transformers 5 saves).
+def read_tokenizer_json(
+    path: str | os.PathLike,
+) -> tuple[Vocab, Merges, dict[str, int], str]:
+    """Read a Hugging Face `tokenizer.json` of a byte-level BPE (what transformers 5 saves).
 
-    Returns (vocab id -> bytes, merges in rank order, added tokens text -> id). The merges may
+    Returns (vocab id -> bytes, merges in rank order, added tokens text -> id, the
+    pre-tokenization regex: GPT-2's, or a Split pre-tokenizer's). The merges may
     be "left right" strings or [left, right] pairs (tokenizers >= 0.20). The added tokens
     (GPT-2's `<|endoftext|>`, in the vocab or not) are for the special tokens: Hugging Face
     matches all of them before BPE, as we match special tokens. Anything that would encode
-    text otherwise than GPT-2's byte-level BPE is refused with a UsageError saying why.
+    text otherwise than a byte-level BPE on regex chunks is refused with a UsageError saying why.
     """
     try:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -205,7 +224,7 @@ def read_tokenizer_json(path: str | os.PathLike) -> tuple[Vocab, Merges, dict[st
     model = document.get("model") if isinstance(document, dict) else None
     if not isinstance(model, dict):
         raise UsageError(f"{path}: not a Hugging Face tokenizer.json (no model section)")
-    _check_gpt2_kind(document, model, path)
+    pattern = _byte_level_pattern(document, model, path)
     added = _added_tokens(document.get("added_tokens") or [], path)
     encoder, pairs = model.get("vocab"), model.get("merges")
     if not isinstance(encoder, dict) or not all(isinstance(i, int) for i in encoder.values()):
@@ -234,17 +253,34 @@ def read_tokenizer_json(path: str | os.PathLike) -> tuple[Vocab, Merges, dict[st
             raise UsageError(
                 f"{path}: merge {rank} ({str(pair)[:40]!r}) is not a pair of byte-level tokens"
             ) from None
-    return vocab, merges, added
+    return vocab, merges, added, pattern
 
 
-def _check_gpt2_kind(document: dict, model: dict, path: str | os.PathLike) -> None:
-    """UsageError unless the tokenizer encodes as GPT-2's: BPE on GPT-2's regex chunks."""
+def _kind(section: object) -> str | None:
+    return section.get("type") if isinstance(section, dict) else None
 
-    def kind(section: object) -> str | None:
-        return section.get("type") if isinstance(section, dict) else None
 
+def _split_then_byte_level(pre: object) -> tuple[str | None, object]:
+    """(the regex, the ByteLevel part) of a Sequence [Split(regex, Isolated), ByteLevel]
+    pre-tokenizer (Llama 3's, Qwen's); (None, pre) for any other."""
+    parts = pre.get("pretokenizers") if _kind(pre) == "Sequence" else None
+    if not (isinstance(parts, list) and len(parts) == 2 and _kind(parts[0]) == "Split"):
+        return None, pre
+    split, regex = parts[0], (parts[0].get("pattern") or {}).get("Regex")
+    isolated = split.get("behavior") == "Isolated" and not split.get("invert")
+    if not (isinstance(regex, str) and isolated and _kind(parts[1]) == "ByteLevel"):
+        return None, pre
+    if parts[1].get("use_regex", True):
+        return None, pre  # the ByteLevel would split the Split's chunks again
+    return regex, parts[1]
+
+
+def _byte_level_pattern(document: dict, model: dict, path: str | os.PathLike) -> str:
+    """The pre-tokenization regex of a byte-level BPE tokenizer.json; UsageError saying why
+    for any tokenizer that would encode text otherwise (no regex chunks, a normalizer, ...)."""
     model_type = model.get("type", "BPE" if "merges" in model else None)  # old files: no type
-    pre, decoder = document.get("pre_tokenizer"), document.get("decoder")
+    regex, pre = _split_then_byte_level(document.get("pre_tokenizer"))
+    decoder, kind = document.get("decoder"), _kind
     problems = [
         (model_type != "BPE", f"model type {model_type} is not byte-level BPE"),
         (kind(pre) != "ByteLevel", f"pre_tokenizer {kind(pre)} is not ByteLevel"),
@@ -256,17 +292,20 @@ def _check_gpt2_kind(document: dict, model: dict, path: str | os.PathLike) -> No
         (
             kind(pre) == "ByteLevel" and pre.get("use_regex", True) is not True,
             "pre_tokenizer ByteLevel without use_regex does not split with GPT-2's regex",
-        ),
+        )
+        if regex is None
+        else (False, ""),
         (
             kind(pre) == "ByteLevel" and bool(pre.get("add_prefix_space")),
             "pre_tokenizer ByteLevel adds a prefix space (GPT-2's does not)",
         ),
     ]
     for key in ("continuing_subword_prefix", "end_of_word_suffix", "ignore_merges"):
-        problems.append((bool(model.get(key)), f"model.{key}={model.get(key)!r} is not GPT-2's"))
+        problems.append((bool(model.get(key)), f"model.{key}={model.get(key)!r} is not supported"))
     for bad, why in problems:
         if bad:
-            raise UsageError(f"{path}: {why}; only GPT-2's byte-level BPE tokenizers load")
+            raise UsageError(f"{path}: {why}; only byte-level BPE tokenizers load")
+    return regex if regex is not None else GPT2_PATTERN
 
 
 def _added_tokens(entries: object, path: str | os.PathLike) -> dict[str, int]:

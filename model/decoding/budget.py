@@ -25,7 +25,7 @@ def decode_bytes_per_sample(cfg: ModelConfig, use_cache: bool) -> int:
     """
     s, d, h, v = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size
     item = 2 if cfg.dtype == "bfloat16" else 4
-    hidden = max(4 * d, cfg.moe_hidden * max(cfg.moe_top_k, 1))
+    hidden = max(cfg.mlp_width, cfg.expert_width * max(cfg.moe_top_k, 1))
     total = 8 * s + 8 * v * 4  # context buffers; logits, sort, softmax, cumsum, scatter
     if use_cache:
         total += 2 * (2 * cfg.n_layer * s * d * item)  # k and v per layer, old + new copy

@@ -1,32 +1,16 @@
-"""GPT-2's Hugging Face format: config.json <-> ModelConfig, safetensors names <-> our params.
+"""What every Hugging Face family's checkpoint directory shares, and the dispatch to each
+family's layout (gpt2_layout.py, llama_layout.py).
 
-A GPT-2 directory (what `save_pretrained` writes, or the hub's openai-community/gpt2) holds
-`config.json` (GPT2Config), `model.safetensors` and the tokenizer: `tokenizer.json` (all
-transformers 5 writes), or `vocab.json` + `merges.txt` (transformers 4, the hub). When both
-are there tokenizer.json is read, as transformers does. Our GPT is GPT-2's architecture with
-a few switches, so the mapping is names:
-
-    ours (nnx path)                   Hugging Face (safetensors key)
-    wte/embedding [V, D]              transformer.wte.weight [V, D]
-    wpe/embedding [T, D]              transformer.wpe.weight [T, D]
-    blocks/i/ln_1/scale, bias         transformer.h.i.ln_1.weight, bias   (ln_2, ln_f alike)
-    blocks/i/attn/c_attn/kernel [D,3D] transformer.h.i.attn.c_attn.weight [D, 3D]
-    blocks/i/attn/c_proj, mlp/c_fc, mlp/c_proj  the same names
-    lm_head/kernel [D, V]             lm_head.weight [V, D]   (untied models only)
-
-HF's GPT-2 layers are Conv1D, whose weight is [in, out] like an nnx.Linear kernel, so no
-transposes except lm_head (an nn.Linear, [out, in]); c_attn is q, k, v fused in that order,
-as ours. GPT2Config's fields map to ModelConfig: n_embd, n_layer, n_head, n_positions ->
-block_size, vocab_size, layer_norm_epsilon -> norm_eps, activation_function gelu_new -> tanh
-GELU, tie_word_embeddings; GPT-2 always has biases and LayerNorm.
-
-    >>> hf_key(("blocks", "0", "attn", "c_attn", "kernel"))
-    ('transformer.h.0.attn.c_attn.weight', False)
+A checkpoint directory (what `save_pretrained` writes, or a hub repository) holds
+`config.json`, `model.safetensors` and the tokenizer: `tokenizer.json` (all transformers 5
+writes), or `vocab.json` + `merges.txt` (transformers 4, the hub's GPT-2). When both are there
+tokenizer.json is read, as transformers does. config.json's model_type picks the family
+(model/interop/families.py) and with it the layout: the config mapping, and the tensors'
+names and shapes against our params, flat as "blocks/0/attn/c_attn/kernel" paths.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -35,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model.interop import gpt2_layout, llama_layout
+from model.interop.families import GPT2, Family, family_of_model_type
 from model.network.config import ModelConfig
 from model.network.params import path_names
 from plumbing.errors import UsageError
@@ -46,14 +32,10 @@ CONFIG_JSON, WEIGHTS, TOKENIZER_JSON, VOCAB_JSON, MERGES_TXT = (
     "vocab.json",
     "merges.txt",
 )
+GENERATION_CONFIG = "generation_config.json"
 # A tokenizer's files, in order of preference: transformers reads tokenizer.json first too.
 TOKENIZER_LAYOUTS = ((TOKENIZER_JSON,), (VOCAB_JSON, MERGES_TXT))
 EOT = "<|endoftext|>"
-# GPT2Config.activation_function -> model.gelu (transformers' ACT2FN names)
-GELU_OF_HF = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "exact"}
-HF_OF_GELU = {"tanh": "gelu_new", "exact": "gelu"}
-# Buffers older GPT-2 files carry (the causal mask), not weights.
-_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
 def tokenizer_files(directory: Path) -> tuple[str, ...] | None:
@@ -76,139 +58,67 @@ def require_files(directory: Path, names: tuple[str, ...], tokenizer: bool = Fal
             missing.append(f"{TOKENIZER_JSON} (or {' + '.join(legacy)})")
     if missing:
         raise UsageError(
-            f"{directory} is not a Hugging Face GPT-2 checkpoint: {', '.join(missing)} missing "
+            f"{directory} is not a Hugging Face checkpoint: {', '.join(missing)} missing "
             f"(it needs {', '.join(needs)})"
         )
 
 
-def read_hf_config(directory: Path) -> dict[str, Any]:
-    """config.json of a GPT-2 directory; UsageError if unreadable or another architecture."""
+def read_hf_config(directory: Path) -> tuple[Family, dict[str, Any]]:
+    """(family, config.json) of a checkpoint directory; UsageError if unreadable or of an
+    architecture no family covers."""
     directory = Path(directory)
     require_files(directory, (CONFIG_JSON,))
     try:
         hf = json.loads((directory / CONFIG_JSON).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UsageError(f"{directory / CONFIG_JSON}: unreadable ({err})") from None
-    if not isinstance(hf, dict) or hf.get("model_type") != "gpt2":
-        kind = hf.get("model_type") if isinstance(hf, dict) else None
-        raise UsageError(
-            f"{directory / CONFIG_JSON}: model_type {kind!r} is not GPT-2; --init-from loads "
-            "GPT-2 checkpoints only"
-        )
-    return hf
+    if not isinstance(hf, dict):
+        raise UsageError(f"{directory / CONFIG_JSON}: not a JSON object")
+    return family_of_model_type(hf.get("model_type"), str(directory / CONFIG_JSON)), hf
 
 
-def model_config_from_hf(hf: dict[str, Any], base: ModelConfig | None = None) -> ModelConfig:
-    """ModelConfig of a GPT2Config dict. Dropout, compute dtype and attention come from
+def model_config_from_hf(
+    hf: dict[str, Any], base: ModelConfig | None = None, family: Family = GPT2
+) -> ModelConfig:
+    """ModelConfig of a family's config.json. Dropout, compute dtype and attention come from
     `base` (how to run it); everything else from the checkpoint (what it is)."""
     base = base or ModelConfig()
-
-    def need(key: str, default: Any = None) -> Any:
-        value = hf.get(key, default)
-        if value is None:
-            raise UsageError(f"GPT-2 config.json lacks {key!r}")
-        return value
-
-    unsupported = {
-        "scale_attn_weights": (True, hf.get("scale_attn_weights", True)),
-        "scale_attn_by_inverse_layer_idx": (False, hf.get("scale_attn_by_inverse_layer_idx")),
-        "add_cross_attention": (False, hf.get("add_cross_attention")),
-    }
-    for key, (ours, theirs) in unsupported.items():
-        if theirs is not None and theirs != ours:
-            raise UsageError(f"GPT-2 config.json sets {key}={theirs!r}; only {ours!r} is supported")
-    activation = hf.get("activation_function", "gelu_new")
-    if activation not in GELU_OF_HF:
-        raise UsageError(
-            f"GPT-2 config.json: activation_function {activation!r} is not supported "
-            f"(one of {', '.join(GELU_OF_HF)})"
-        )
-    n_embd = int(need("n_embd"))
-    n_inner = hf.get("n_inner")
-    if n_inner not in (None, 4 * n_embd):
-        raise UsageError(f"GPT-2 config.json: n_inner {n_inner} is not 4 * n_embd ({4 * n_embd})")
-    cfg = dataclasses.replace(
-        base,
-        vocab_size=int(need("vocab_size")),
-        block_size=int(need("n_positions")),
-        n_layer=int(need("n_layer")),
-        n_head=int(need("n_head")),
-        n_embd=n_embd,
-        bias=True,
-        norm="layernorm",
-        mlp="gelu",
-        gelu=GELU_OF_HF[activation],
-        position="learned",
-        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        moe_experts=0,
-        qk_norm=False,  # GPT-2's layers, whatever the config's recipe says
-        logit_softcap=0.0,
-        x0_mixing=False,
-    )
-    return cfg.validate()
+    if family is GPT2:
+        return gpt2_layout.model_config(hf, base)
+    return llama_layout.model_config(hf, base, family)
 
 
-def check_exportable(cfg: ModelConfig) -> None:
-    """UsageError naming the first option GPT-2's format cannot express."""
-    problems = [
-        (
-            cfg.position != "learned",
-            f"model.position={cfg.position!r} (GPT-2 has learned positions)",
-        ),
-        (cfg.norm != "layernorm", f"model.norm={cfg.norm!r} (GPT-2 has LayerNorm)"),
-        (cfg.mlp != "gelu", f"model.mlp={cfg.mlp!r} (GPT-2 has a GELU MLP)"),
-        (cfg.moe_experts > 0, f"model.moe_experts={cfg.moe_experts} (GPT-2 has no experts)"),
-        (cfg.qk_norm, "model.qk_norm=true (GPT-2 has no QK-norm)"),
-        (cfg.logit_softcap > 0, f"model.logit_softcap={cfg.logit_softcap} (GPT-2 has no cap)"),
-        (cfg.x0_mixing, "model.x0_mixing=true (GPT-2 has no residual mixing)"),
-    ]
-    for bad, what in problems:
-        if bad:
-            raise UsageError(f"GPT-2's format cannot express {what}: this run cannot be exported")
+def hf_config_of(cfg: ModelConfig, family: Family, eot_id: int | None) -> dict[str, Any]:
+    """config.json of one of our models in a family that holds it (families.family_for)."""
+    if family is GPT2:
+        return gpt2_layout.hf_config(cfg, eot_id)
+    return llama_layout.hf_config(cfg, family, eot_id)
 
 
-def hf_config_of(cfg: ModelConfig, eot_id: int | None) -> dict[str, Any]:
-    """GPT2Config (as config.json) of one of our models; check_exportable first."""
+def _layout(family: Family):
+    return gpt2_layout if family is GPT2 else llama_layout
+
+
+def flat_shapes(params_like: Any) -> dict[str, tuple[int, ...]]:
+    """Our params' shapes by "/"-joined path."""
     return {
-        "model_type": "gpt2",
-        "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.block_size,
-        "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_inner": None,
-        "activation_function": HF_OF_GELU[cfg.gelu],
-        "layer_norm_epsilon": cfg.norm_eps,
-        "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout,
-        "attn_pdrop": cfg.dropout,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id,
-        "use_cache": True,
+        "/".join(path_names(k)): tuple(v.shape)
+        for k, v in jax.tree_util.tree_leaves_with_path(params_like)
     }
 
 
-def hf_key(names: tuple[str, ...]) -> tuple[str, bool]:
-    """(safetensors key, whether the tensor is transposed) of one of our parameter paths.
+def expected_tensors(
+    family: Family, hf: dict[str, Any], cfg: ModelConfig, params_like: Any
+) -> dict[str, tuple[int, ...]]:
+    """Safetensors key -> shape that a family's file of this model must hold."""
+    if family is GPT2:
+        return gpt2_layout.expected_shapes(hf, flat_shapes(params_like))
+    return llama_layout.expected_shapes(hf, cfg)
 
-    >>> hf_key(("blocks", "0", "attn", "c_attn", "kernel"))
-    ('transformer.h.0.attn.c_attn.weight', False)
-    >>> hf_key(("lm_head", "kernel"))
-    ('lm_head.weight', True)
-    """
-    if names[0] == "lm_head":
-        return "lm_head.weight", True
-    renamed = ["h" if n == "blocks" else n for n in names]
-    last = {"scale": "weight", "kernel": "weight", "embedding": "weight"}.get(names[-1])
-    renamed[-1] = last or renamed[-1]
-    return "transformer." + ".".join(renamed), False
+
+def canonical(family: Family, tensors: dict[str, Any]) -> dict[str, Any]:
+    """A file's tensors under the names its family's model class saves them with."""
+    return gpt2_layout.canonical(tensors) if family is GPT2 else dict(tensors)
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -230,65 +140,57 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise UsageError(f"{path}: not a readable safetensors file ({err})") from None
 
 
-def _canonical(tensors: dict[str, Any]) -> dict[str, Any]:
-    """Keys as GPT2LMHeadModel saves them (GPT2Model files lack `transformer.`), buffers out."""
-    return {
-        (k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}"): v
-        for k, v in tensors.items()
-        if not k.endswith(_BUFFER_SUFFIXES)
-    }
-
-
-def check_tensor_shapes(shapes: dict[str, tuple[int, ...]], params_like: Any, where: Path) -> None:
-    """UsageError on a missing tensor, a wrong shape or a foreign tensor: `shapes` (safetensors
-    key -> shape) against the params of the model config.json describes."""
-    shapes = _canonical(shapes)
-    used = set()
-    for path_key, like in jax.tree_util.tree_leaves_with_path(params_like):
-        key, transposed = hf_key(path_names(path_key))
+def check_tensor_shapes(
+    shapes: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]],
+    family: Family,
+    where: Path,
+) -> None:
+    """UsageError on a missing tensor, a wrong shape or a foreign tensor: a file's (canonical)
+    `shapes` against what its config.json implies (`expected_tensors`)."""
+    for key, want in expected.items():
         if key not in shapes:
             raise UsageError(
-                f"{where}: tensor {key} is missing: not a GPT-2 checkpoint of this config"
+                f"{where}: tensor {key} is missing: not a {family.name} checkpoint of this config"
             )
-        want = tuple(like.shape)[::-1] if transposed else tuple(like.shape)
-        if tuple(shapes[key]) != want:
+        if tuple(shapes[key]) != tuple(want):
             raise UsageError(
-                f"{where}: tensor {key} has shape {tuple(shapes[key])}, config.json implies {want}"
+                f"{where}: tensor {key} has shape {tuple(shapes[key])}, config.json implies "
+                f"{tuple(want)}"
             )
-        used.add(key)
-    extra = sorted(set(shapes) - used - {"lm_head.weight"})
+    extra = sorted(set(shapes) - set(expected) - _layout(family).OPTIONAL)
     if extra:
-        raise UsageError(f"{where}: unexpected tensor {extra[0]}: not a GPT-2 checkpoint")
+        raise UsageError(f"{where}: unexpected tensor {extra[0]}: not a {family.name} checkpoint")
 
 
-def params_from_hf(tensors: dict[str, np.ndarray], params_like: Any, where: Path) -> Any:
+def params_from_hf(
+    tensors: dict[str, np.ndarray],
+    family: Family,
+    hf: dict[str, Any],
+    cfg: ModelConfig,
+    params_like: Any,
+    where: Path,
+) -> Any:
     """Params shaped (and placed) like `params_like` (an nnx.State of ShapeDtypeStructs or
-    arrays), filled from GPT-2 tensors; checked first with `check_tensor_shapes`."""
-    check_tensor_shapes({k: v.shape for k, v in tensors.items()}, params_like, where)
-    tensors = _canonical(tensors)
+    arrays), filled from a family's tensors; their names and shapes are checked first."""
+    tensors = canonical(family, tensors)
+    shapes = {k: v.shape for k, v in tensors.items()}
+    check_tensor_shapes(shapes, expected_tensors(family, hf, cfg, params_like), family, where)
+    ours = _layout(family).to_ours(tensors, hf, flat_shapes(params_like))
 
     def fill(path_key, like):
-        key, transposed = hf_key(path_names(path_key))
-        value = tensors[key].T if transposed else tensors[key]
+        value = ours["/".join(path_names(path_key))]
+        assert value.shape == tuple(like.shape), (path_key, value.shape, like.shape)
         return jax.device_put(jnp.asarray(value, like.dtype), getattr(like, "sharding", None))
 
     return jax.tree_util.tree_map_with_path(fill, params_like)
 
 
-def params_to_hf(params: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """GPT-2 safetensors tensors (float32) of our params; a model without biases gets zero
-    biases (exactly the same function)."""
-    tensors: dict[str, np.ndarray] = {}
-    for path_key, leaf in jax.tree_util.tree_leaves_with_path(params):
-        key, transposed = hf_key(path_names(path_key))
-        value = np.asarray(jax.device_get(leaf), np.float32)
-        tensors[key] = np.ascontiguousarray(value.T if transposed else value)
-    if not cfg.bias:
-        d = cfg.n_embd
-        widths = {"ln_1": d, "ln_2": d, "attn.c_attn": 3 * d, "attn.c_proj": d}
-        widths.update({"mlp.c_fc": 4 * d, "mlp.c_proj": d})
-        for i in range(cfg.n_layer):
-            for name, width in widths.items():
-                tensors[f"transformer.h.{i}.{name}.bias"] = np.zeros(width, np.float32)
-        tensors["transformer.ln_f.bias"] = np.zeros(d, np.float32)
-    return tensors
+def params_to_hf(params: Any, cfg: ModelConfig, family: Family) -> dict[str, np.ndarray]:
+    """A family's safetensors tensors (float32, contiguous) of our params."""
+    ours = {
+        "/".join(path_names(k)): np.asarray(jax.device_get(v), np.float32)
+        for k, v in jax.tree_util.tree_leaves_with_path(params)
+    }
+    tensors = _layout(family).to_hf(ours, cfg)
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}

@@ -1,13 +1,14 @@
-"""Hugging Face GPT-2 checkpoints in: a directory (or hub id) -> our tokenizer, config, weights.
+"""Hugging Face checkpoints in (GPT-2, Llama, Qwen3): a directory or hub id -> our tokenizer,
+config and weights.
 
-`--init-from DIR` samples GPT-2 itself (`load_hf_gpt2`) or fine-tunes it: `--train` saves its
-tokenizer as the run's (`save_hf_tokenizer`, after checking everything first), takes its shape
-(`hf_model_config`) and starts from its weights (`load_hf_params`). DIR holds config.json,
-model.safetensors and the tokenizer: tokenizer.json (transformers 5), or vocab.json +
-merges.txt (read when tokenizer.json is absent). The format's mapping is
-model/interop/hf_format.py.
+`--init-from DIR` samples the model itself (`load_hf_model`) or fine-tunes it: `--train` saves
+its tokenizer as the run's (`save_hf_tokenizer`, after checking everything first), takes its
+shape (`hf_model_config`) and starts from its weights (`load_hf_params`). DIR holds
+config.json, model.safetensors and a byte-level BPE tokenizer: tokenizer.json (transformers
+5), or vocab.json + merges.txt (read when tokenizer.json is absent). config.json's model_type
+picks the family; the mappings are model/interop/hf_format.py and its layouts.
 
-    >>> tokenizer, model = load_hf_gpt2("models/gpt2")                  # doctest: +SKIP
+    >>> tokenizer, model = load_hf_model("models/gpt2")                 # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from model.interop.hf_format import (
     TOKENIZER_JSON,
     VOCAB_JSON,
     WEIGHTS,
+    canonical,
     check_tensor_shapes,
+    expected_tensors,
     model_config_from_hf,
     params_from_hf,
     read_hf_config,
@@ -42,7 +45,7 @@ from tokenizer import BPETokenizer
 
 
 def resolve_hf_dir(name: str) -> Path:
-    """A local GPT-2 directory, or a hub id (`openai-community/gpt2`) fetched with
+    """A local checkpoint directory, or a hub id (`openai-community/gpt2`) fetched with
     huggingface_hub into its cache when the network allows. UsageError otherwise."""
     path = Path(os.path.expanduser(name))
     if path.is_dir():
@@ -55,9 +58,9 @@ def resolve_hf_dir(name: str) -> Path:
     )
     if not looks_like_hub_id:
         raise UsageError(
-            f"--init-from {name}: no such directory; give a Hugging Face GPT-2 checkpoint "
-            "directory (config.json, model.safetensors, and tokenizer.json or vocab.json + "
-            "merges.txt; configs/finetune_gpt2.toml shows how to fetch GPT-2's)"
+            f"--init-from {name}: no such directory; give a Hugging Face checkpoint directory "
+            "of GPT-2, Llama or Qwen3 (config.json, model.safetensors, and tokenizer.json or "
+            "vocab.json + merges.txt; configs/finetune_gpt2.toml shows how to fetch GPT-2's)"
         )
     try:
         from huggingface_hub import snapshot_download
@@ -75,14 +78,16 @@ def resolve_hf_dir(name: str) -> Path:
 
 
 def hf_model_config(name: str, base: ModelConfig | None = None) -> ModelConfig:
-    """ModelConfig of a GPT-2 directory or hub id (reads config.json only)."""
-    return model_config_from_hf(read_hf_config(resolve_hf_dir(name)), base)
+    """ModelConfig of a checkpoint directory or hub id (reads config.json only)."""
+    family, hf = read_hf_config(resolve_hf_dir(name))
+    return model_config_from_hf(hf, base, family)
 
 
 def load_hf_tokenizer(name: str) -> BPETokenizer:
-    """GPT-2's tokenizer from the directory's tokenizer.json (its added tokens as the special
-    tokens), or else its vocab.json + merges.txt (<|endoftext|> kept as the special token it
-    is in GPT-2's vocab.json); tokenizer.json wins when both are there, as in transformers."""
+    """The checkpoint's tokenizer from its tokenizer.json (its added tokens as the special
+    tokens), or else its vocab.json + merges.txt (GPT-2's layout: <|endoftext|> kept as the
+    special token it is in GPT-2's vocab.json); tokenizer.json wins when both are there, as
+    in transformers."""
     directory = resolve_hf_dir(name)
     require_files(directory, (), tokenizer=True)
     if tokenizer_files(directory) == (TOKENIZER_JSON,):
@@ -95,22 +100,26 @@ def load_hf_tokenizer(name: str) -> BPETokenizer:
     return BPETokenizer.from_gpt2_files(directory / VOCAB_JSON, directory / MERGES_TXT, specials)
 
 
-def load_hf_params(name: str, params_like: Any) -> Any:
-    """GPT-2's weights shaped (and placed) like `params_like`, e.g. a Trainer's params."""
+def load_hf_params(name: str, params_like: Any, base: ModelConfig | None = None) -> Any:
+    """The checkpoint's weights shaped (and placed) like `params_like`, e.g. a Trainer's."""
     directory = resolve_hf_dir(name)
     require_files(directory, (CONFIG_JSON, WEIGHTS))
-    return params_from_hf(read_safetensors(directory / WEIGHTS), params_like, directory / WEIGHTS)
+    family, hf = read_hf_config(directory)
+    model_cfg = model_config_from_hf(hf, base, family)
+    tensors = read_safetensors(directory / WEIGHTS)
+    return params_from_hf(tensors, family, hf, model_cfg, params_like, directory / WEIGHTS)
 
 
-def load_hf_gpt2(name: str, base: ModelConfig | None = None) -> tuple[BPETokenizer, GPT]:
-    """(tokenizer, GPT) of a Hugging Face GPT-2 directory or hub id."""
+def load_hf_model(name: str, base: ModelConfig | None = None) -> tuple[BPETokenizer, GPT]:
+    """(tokenizer, GPT) of a Hugging Face checkpoint directory or hub id."""
     directory = resolve_hf_dir(name)
     require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
-    model_cfg = model_config_from_hf(read_hf_config(directory), base)
+    family, hf = read_hf_config(directory)
+    model_cfg = model_config_from_hf(hf, base, family)
     tokenizer = load_hf_tokenizer(str(directory))
     _check_vocab(tokenizer, model_cfg, directory)
     graphdef, abstract, rest = abstract_model(model_cfg)
-    params = load_hf_params(str(directory), abstract)
+    params = load_hf_params(str(directory), abstract, base)
     return tokenizer, nnx.merge(graphdef, params, rest)
 
 
@@ -123,15 +132,16 @@ def _check_vocab(tokenizer: BPETokenizer, model_cfg: ModelConfig, directory: Pat
 
 
 def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) -> None:
-    """Check everything --init-from needs, then save GPT-2's tokenizer as the run directory's
-    tokenizer (our pickle format). Nothing is written for a directory that is not GPT-2: the
-    files, config.json, the tokenizer and the tensors' names and shapes (from the safetensors
-    header, no weights read) are checked first."""
+    """Check everything --init-from needs, then save the checkpoint's tokenizer as the run
+    directory's tokenizer (our pickle format). Nothing is written for a directory that does
+    not load: the files, config.json, the tokenizer and the tensors' names and shapes (from
+    the safetensors header, no weights read) are checked first."""
     from safetensors import SafetensorError, safe_open
 
     directory = resolve_hf_dir(name)
     require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
-    model_cfg = model_config_from_hf(read_hf_config(directory), base)
+    family, hf = read_hf_config(directory)
+    model_cfg = model_config_from_hf(hf, base, family)
     tokenizer = load_hf_tokenizer(str(directory))
     _check_vocab(tokenizer, model_cfg, directory)
     try:
@@ -141,5 +151,6 @@ def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) ->
         raise UsageError(
             f"{directory / WEIGHTS}: not a readable safetensors file ({err})"
         ) from None
-    check_tensor_shapes(shapes, abstract_model(model_cfg)[1], directory / WEIGHTS)
+    expected = expected_tensors(family, hf, model_cfg, abstract_model(model_cfg)[1])
+    check_tensor_shapes(canonical(family, shapes), expected, family, directory / WEIGHTS)
     tokenizer.save(path)

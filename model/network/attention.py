@@ -240,6 +240,9 @@ class CausalSelfAttention(nnx.Module):
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
         self.qk_norm_eps = cfg.norm_eps if cfg.qk_norm else None
+        if cfg.qk_norm_weights:  # Qwen3's q_norm/k_norm: one scale per head dimension
+            self.q_norm = nnx.Param(jnp.ones(cfg.head_dim, jnp.float32))
+            self.k_norm = nnx.Param(jnp.ones(cfg.head_dim, jnp.float32))
         self.c_attn = linear(cfg, cfg.n_embd, 3 * cfg.n_embd, 0.02, rngs)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), two per block, so the
         # residual stream's variance does not grow with depth.
@@ -296,6 +299,9 @@ class CausalSelfAttention(nnx.Module):
         if self.qk_norm_eps is not None:  # before RoPE, as modded-nanogpt (a rotation keeps norms)
             q_BxTxHxD = rms_normalize(q_BxTxHxD, self.qk_norm_eps)
             k_BxTxHxD = rms_normalize(k_BxTxHxD, self.qk_norm_eps)
+            if hasattr(self, "q_norm"):  # scaled after the cast back, as Qwen3's RMSNorm
+                q_BxTxHxD = q_BxTxHxD * self.q_norm[...].astype(q_BxTxHxD.dtype)
+                k_BxTxHxD = k_BxTxHxD * self.k_norm[...].astype(k_BxTxHxD.dtype)
         if self.rope_theta is not None:
             q_BxTxHxD = apply_rope(q_BxTxHxD, positions_BxT, self.rope_theta)
             k_BxTxHxD = apply_rope(k_BxTxHxD, positions_BxT, self.rope_theta)

@@ -54,6 +54,10 @@ class ModelConfig:
     # "gelu" (4x hidden, exact erf GELU as nanoGPT) | "swiglu" (Llama) | "relu2" (4x hidden,
     # relu(x)**2: modded-nanogpt, nanochat)
     mlp: str = "gelu"
+    # Hidden width of the dense MLP (and of experts, unless moe_hidden says otherwise); 0 = the
+    # default of model.mlp: 4*n_embd, or for SwiGLU 8/3*n_embd rounded up to a multiple of 8
+    # (Llama's rule). Imported Llama/Qwen3 checkpoints set their own (intermediate_size).
+    mlp_hidden: int = 0
     gelu: str = "exact"  # GELU form: "exact" (erf, nanoGPT's nn.GELU) | "tanh" (GPT-2's gelu_new)
     norm_eps: float = 1e-5  # epsilon of LayerNorm / RMSNorm (GPT-2: layer_norm_epsilon 1e-5)
     # Output layer = the token embedding (GPT-2, nanoGPT); false adds a separate [D, V] layer.
@@ -62,6 +66,9 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base: wavelengths grow geometrically up to 2*pi*theta
     # The modern recipe (modded-nanogpt, nanochat; docs/training.md has what each did here).
     qk_norm: bool = False  # RMS-normalise each head's queries and keys (no weights) before q.k
+    # With qk_norm: a learned scale per head dimension after the normalisation, shared by the
+    # heads (Qwen3's q_norm/k_norm, OLMo 2); false = weightless, as modded-nanogpt.
+    qk_norm_weights: bool = False
     zero_init_proj: bool = False  # residual projections (attention, MLP) start at zero
     logit_softcap: float = 0.0  # logits = c * tanh(logits / c); 0 = off (nanochat: 15)
     # Each block's input becomes a*x + b*x0, x0 = the embedded tokens, with learned scalars
@@ -104,6 +111,29 @@ class ModelConfig:
 
         return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[self.dtype]
 
+    @property
+    def mlp_width(self) -> int:
+        """Hidden width of the dense MLP: model.mlp_hidden, or the default of model.mlp.
+
+        >>> ModelConfig(n_embd=768).mlp_width, ModelConfig(n_embd=768, mlp="swiglu").mlp_width
+        (3072, 2048)
+        """
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        if self.mlp == "swiglu":  # 2/3 of 4*n_embd: a 4x GELU MLP's parameters, as Llama
+            return 8 * math.ceil(int(2 * 4 * self.n_embd / 3) / 8)
+        return 4 * self.n_embd
+
+    @property
+    def expert_width(self) -> int:
+        """Hidden width of one MoE expert: model.moe_hidden, or the dense MLP's."""
+        return self.moe_hidden or self.mlp_width
+
+    @property
+    def n_moe_layers(self) -> int:
+        """How many blocks have an MoE MLP (every moe_every-th; none without experts)."""
+        return self.n_layer // self.moe_every if self.moe_experts > 0 else 0
+
     def approx_params(self) -> int:
         """Parameter count from the shapes alone (biases and norms included roughly), for
         size limits and memory estimates; no model is built.
@@ -114,11 +144,10 @@ class ModelConfig:
         """
         c = self.n_embd
         mlp_widths = 3 if self.mlp == "swiglu" else 2  # gate + up + proj, or fc + proj
-        dense_hidden = 8 * c // 3 if self.mlp == "swiglu" else 4 * c
-        n_moe = self.n_layer // self.moe_every if self.moe_experts > 0 else 0
-        expert = mlp_widths * (self.moe_hidden or dense_hidden) * c
+        n_moe = self.n_moe_layers
+        expert = mlp_widths * self.expert_width * c
         per_layer = 4 * c * c + 8 * c  # attention, norms and biases
-        mlps = (self.n_layer - n_moe) * mlp_widths * dense_hidden * c
+        mlps = (self.n_layer - n_moe) * mlp_widths * self.mlp_width * c
         mlps += n_moe * (self.moe_experts * expert + c * self.moe_experts)
         positions = self.block_size * c if self.position == "learned" else 0
         return self.vocab_size * c + positions + self.n_layer * per_layer + mlps + 2 * c
@@ -179,9 +208,17 @@ class ModelConfig:
             isinstance(self.norm_eps, (int, float)) and 0.0 < self.norm_eps < 1.0
         ):
             raise UsageError(f"model.norm_eps must be a number in (0, 1), got {self.norm_eps!r}")
-        for name in ("tie_embeddings", "qk_norm", "zero_init_proj", "x0_mixing"):
+        for name in ("tie_embeddings", "qk_norm", "qk_norm_weights", "zero_init_proj", "x0_mixing"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.qk_norm_weights and not self.qk_norm:
+            raise UsageError("model.qk_norm_weights=true needs model.qk_norm=true")
+        hidden = self.mlp_hidden
+        if isinstance(hidden, bool) or not isinstance(hidden, int) or not 0 <= hidden <= MAX_DIM:
+            raise UsageError(
+                f"model.mlp_hidden must be an integer >= 0 (0 = model.mlp's default, at most "
+                f"{MAX_DIM}), got {hidden!r}"
+            )
         cap = self.logit_softcap
         if isinstance(cap, bool) or not (isinstance(cap, (int, float)) and 0 <= cap < math.inf):
             raise UsageError(

@@ -15,8 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -46,12 +44,6 @@ def make_norm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
     )
 
 
-def swiglu_hidden(n_embd: int) -> int:
-    """SwiGLU hidden width: 2/3 of 4*n_embd (same parameter count as a 4x GELU MLP, as Llama),
-    rounded up to a multiple of 8 for friendlier matmul shapes. 768 -> 2048, 32 -> 88."""
-    return 8 * math.ceil(int(2 * 4 * n_embd / 3) / 8)
-
-
 def linear(cfg: ModelConfig, n_in: int, n_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
     """A Linear in the model's compute dtype with float32 params, N(0, std) kernel, zero bias."""
     return nnx.Linear(
@@ -67,14 +59,15 @@ def linear(cfg: ModelConfig, n_in: int, n_out: int, std: float, rngs: nnx.Rngs) 
 
 
 class DenseMLP(nnx.Module):
-    """GPT-2 MLP: Linear(D, 4D) -> activation -> Linear(4D, D). The activation is GELU per
-    cfg.gelu (default exact erf as nanoGPT's nn.GELU; GPT-2's own weights were trained with
-    the tanh form), or relu(x)**2 with cfg.mlp = "relu2"."""
+    """GPT-2 MLP: Linear(D, F) -> activation -> Linear(F, D), F = cfg.mlp_width (4D by
+    default). The activation is GELU per cfg.gelu (default exact erf as nanoGPT's nn.GELU;
+    GPT-2's own weights were trained with the tanh form), or relu(x)**2 with cfg.mlp =
+    "relu2"."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.activation = activation_fn(cfg.mlp, cfg.gelu)
-        self.c_fc = linear(cfg, cfg.n_embd, 4 * cfg.n_embd, 0.02, rngs)
-        self.c_proj = linear(cfg, 4 * cfg.n_embd, cfg.n_embd, cfg.resid_std, rngs)
+        self.c_fc = linear(cfg, cfg.n_embd, cfg.mlp_width, 0.02, rngs)
+        self.c_proj = linear(cfg, cfg.mlp_width, cfg.n_embd, cfg.resid_std, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def __call__(
@@ -89,7 +82,7 @@ class SwiGLUMLP(nnx.Module):
     """Gated MLP (Shazeer 2020, Llama): down(silu(gate(x)) * up(x))."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        hidden = swiglu_hidden(cfg.n_embd)
+        hidden = cfg.mlp_width
         self.gate = linear(cfg, cfg.n_embd, hidden, 0.02, rngs)
         self.up = linear(cfg, cfg.n_embd, hidden, 0.02, rngs)
         self.c_proj = linear(cfg, hidden, cfg.n_embd, cfg.resid_std, rngs)
@@ -108,8 +101,7 @@ def make_mlp(cfg: ModelConfig, layer_index: int, *, rngs: nnx.Rngs) -> nnx.Modul
     cfg.moe_experts > 0 a mixture of such experts in every cfg.moe_every-th block
     (blocks moe_every-1, 2*moe_every-1, ...; see model.network.moe)."""
     if is_moe_layer(cfg, layer_index):
-        dense_hidden = swiglu_hidden(cfg.n_embd) if cfg.mlp == "swiglu" else 4 * cfg.n_embd
-        return MoEMLP(cfg, hidden=cfg.moe_hidden or dense_hidden, rngs=rngs)
+        return MoEMLP(cfg, hidden=cfg.expert_width, rngs=rngs)
     if cfg.mlp == "swiglu":
         return SwiGLUMLP(cfg, rngs=rngs)
     return DenseMLP(cfg, rngs=rngs)

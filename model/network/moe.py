@@ -138,11 +138,6 @@ def router_z_loss(logits_NxE: jax.Array) -> jax.Array:
 # -- the layer ---------------------------------------------------------------------------------
 
 
-def n_moe_layers(cfg: ModelConfig) -> int:
-    """How many blocks have an MoE MLP: every moe_every-th (moe_every-1, 2*moe_every-1, ...)."""
-    return cfg.n_layer // cfg.moe_every if cfg.moe_experts > 0 else 0
-
-
 def is_moe_layer(cfg: ModelConfig, layer_index: int) -> bool:
     return cfg.moe_experts > 0 and (layer_index + 1) % cfg.moe_every == 0
 
@@ -168,7 +163,7 @@ class MoEMLP(nnx.Module):
         self.dtype = cfg.compute_dtype
         # Each layer adds 1/n_layers of the weighted losses: gpt.py sums aux over blocks, so
         # the logged values are layer means and the weights do not scale with depth.
-        per_layer = 1.0 / max(n_moe_layers(cfg), 1)
+        per_layer = 1.0 / max(cfg.n_moe_layers, 1)
         self.aux_weight = cfg.moe_aux_weight * per_layer
         self.z_weight = cfg.moe_z_weight * per_layer
         self.layer_share = per_layer

@@ -165,12 +165,12 @@ def started_from(run_dir: Path, init_from: str) -> bool:
 def load_for_sampling(
     run_dir: Path, init_from: str, base: ModelConfig, cache=None
 ) -> tuple[Tokenizer, GPT]:
-    """(tokenizer, model) that --inference and --serve sample: GPT-2 itself for `init_from`
-    (unless run_dir holds a model fine-tuned from it), else the run's newest intact weights
-    (`cache`: a ProgramCache keeping the abstract model)."""
+    """(tokenizer, model) that --inference and --serve sample: the Hugging Face checkpoint
+    `init_from` (unless run_dir holds a model fine-tuned from it), else the run's newest intact
+    weights (`cache`: a ProgramCache keeping the abstract model)."""
     if init_from and not started_from(run_dir, init_from):
-        from model.interop.hf_import import load_hf_gpt2  # the interop layer, only when asked
+        from model.interop.hf_import import load_hf_model  # the interop layer, only when asked
 
-        return load_hf_gpt2(init_from, base)
+        return load_hf_model(init_from, base)
     tokenizer, model, _ = open_trained_run(run_dir).load(cache)
     return tokenizer, model
