@@ -1,0 +1,424 @@
+"""Hugging Face families: the per-family allowlists, and Llama and Qwen3 checkpoints in and out
+against transformers (random-weight models made here; GPT-2 is tests/test_hf_gpt2.py)."""
+
+# ruff: noqa: F811  (corpus, hf are test_hf_gpt2's fixtures, imported: tests name them)
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tinyllm
+from model.interop.families import FAMILIES, GPT2, LLAMA, QWEN3, family_for
+from model.interop.hf_export import export_run
+from model.interop.hf_format import EOT
+from model.interop.hf_import import load_hf_model
+from model.network.config import ModelConfig
+from model.rundir.trained import open_trained_run
+from plumbing.errors import UsageError
+from tests.test_hf_gpt2 import (  # noqa: F401 (corpus, hf: fixtures)
+    ODD_TEXTS,
+    corpus,
+    export_script,
+    greedy_from,
+    hf,
+    run_cli,
+    torch_logits,
+)
+from tests.test_quant import assert_one_line_error
+from tests.tiny_models import forward
+from tests.tiny_runs import TINY_TRAIN
+from tokenizer import BPETokenizer
+from tokenizer.gpt2_files import write_tokenizer_json
+from tokenizer.pretokenize import PATTERNS
+
+LLAMA_LAYERS = ["model.norm=rmsnorm", "model.mlp=swiglu", "model.position=rope"]
+
+# -- the allowlists (no transformers needed) --------------------------------------------------
+
+
+def test_every_family_decides_about_every_model_config_field():
+    """A new ModelConfig field fails here until each family's export decides about it."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    for family in FAMILIES:
+        assert set(family.rules) == fields, (family.name, set(family.rules) ^ fields)
+
+
+def test_a_field_a_family_has_not_decided_about_is_refused():
+    undecided = dataclasses.replace(
+        GPT2, rules={k: v for k, v in GPT2.rules.items() if k != "bias"}
+    )
+    problems = undecided.problems(ModelConfig(vocab_size=8))
+    assert problems == ["model.bias=false (the GPT-2 export has not decided about it)"]
+
+
+@pytest.mark.parametrize(
+    ("layers", "family"),
+    [
+        ({}, GPT2),
+        ({"bias": True, "tie_embeddings": False, "gelu": "tanh", "zero_init_proj": True}, GPT2),
+        ({"norm": "rmsnorm", "mlp": "swiglu", "position": "rope"}, LLAMA),
+        ({"norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "bias": True}, LLAMA),
+        ({"norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "qk_norm": True}, QWEN3),
+        (
+            {"norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "qk_norm": True}
+            | {"qk_norm_weights": True, "mlp_hidden": 40, "tie_embeddings": False},
+            QWEN3,
+        ),
+    ],
+)
+def test_the_family_is_the_one_the_layers_fit(layers, family):
+    assert family_for(ModelConfig(vocab_size=64, n_embd=32, n_head=2, **layers)) is family
+
+
+@pytest.mark.parametrize(
+    ("layers", "fragment"),
+    [
+        ({"x0_mixing": True}, "model.x0_mixing=true (GPT-2 has no residual mixing"),
+        ({"mlp": "relu2"}, "model.mlp='relu2' (GPT-2 has a GELU MLP)"),
+        ({"logit_softcap": 15.0}, "model.logit_softcap=15.0"),
+        ({"moe_experts": 4}, "model.moe_experts=4"),
+        ({"mlp_hidden": 40}, "model.mlp_hidden=40 (GPT-2's MLP is 4x wide)"),
+        ({"qk_norm": True}, "model.qk_norm=true (GPT-2 has no QK-norm)"),
+        (
+            {"norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "x0_mixing": True},
+            "(Llama has no residual mixing",
+        ),
+        (
+            {"norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "qk_norm": True, "bias": True},
+            "model.bias=true (Qwen3's MLP has no biases)",
+        ),
+    ],
+)
+def test_what_no_family_holds_is_refused_in_one_line_naming_it(layers, fragment):
+    with pytest.raises(UsageError) as error:
+        family_for(ModelConfig(vocab_size=64, n_embd=32, n_head=2, **layers))
+    message = str(error.value)
+    assert fragment in message and "cannot be exported" in message and "\n" not in message
+
+
+# -- Llama and Qwen3 in: random models saved by transformers ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def bpe4(corpus):
+    """A BPE splitting with the GPT-4 regex: its tokenizer.json has a Split, as Llama 3's."""
+    text = corpus.read_text()
+    return BPETokenizer.train(text, vocab_size=300, special_tokens=[EOT], pattern="gpt4")
+
+
+def write_tokenizer_files(tokenizer: BPETokenizer, directory: Path) -> None:
+    write_tokenizer_json(
+        tokenizer.vocab,
+        tokenizer.merges,
+        tokenizer.special_tokens,
+        directory / "tokenizer.json",
+        tokenizer.pattern,
+    )
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def make_hf_dir(hf, tokenizer, directory: Path, model_type: str, seed: int = 0, **config):
+    """A random LlamaForCausalLM or Qwen3ForCausalLM (weights wide enough that logits are far
+    from uniform: norms and q/k norms away from 1) saved by save_pretrained, with the
+    tokenizer as tokenizer.json."""
+    torch, transformers = hf
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[model_type]
+    eot = tokenizer.token_to_id(EOT)
+    settings = {
+        "hidden_size": 32,
+        "intermediate_size": 48,  # not the SwiGLU default for 32 (88)
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,  # grouped-query attention
+        "head_dim": 8,  # Qwen3Config's default is 128
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0},
+        **config,
+    }
+    hf_config = config_class(
+        vocab_size=tokenizer.vocab_size, bos_token_id=eot, eos_token_id=eot, **settings
+    )
+    torch.manual_seed(seed)
+    model = model_class(hf_config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.3)
+            elif name.endswith("norm.weight") or "layernorm" in name:
+                p.normal_(1.0, 0.2)
+            else:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(directory)
+    write_tokenizer_files(tokenizer, directory)
+    return directory, model
+
+
+IMPORTS = {
+    "llama-gqa-untied": ("llama", {}),
+    "llama-biases-tied": (
+        "llama",
+        {"attention_bias": True, "tie_word_embeddings": True, "num_key_value_heads": 4},
+    ),
+    "qwen3-gqa-untied": ("qwen3", {}),
+    "qwen3-attention-bias-tied": ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="module", params=list(IMPORTS))
+def hf_dir(request, hf, bpe4, tmp_path_factory):
+    model_type, config = IMPORTS[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    return make_hf_dir(hf, bpe4, directory, model_type, seed=len(request.param), **config)
+
+
+def test_init_from_gives_transformers_logits_and_greedy_text(hf, bpe4, hf_dir, tmp_path, capsys):
+    torch, _ = hf
+    tokenizers = pytest.importorskip("tokenizers")
+    directory, reference = hf_dir
+    tokenizer, model = load_hf_model(str(directory))
+    assert (tokenizer.vocab, tokenizer.merges) == (bpe4.vocab, bpe4.merges)
+    library = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    for text in ODD_TEXTS:
+        assert library.encode(text).ids == tokenizer.encode(text), text
+    ids = np.random.default_rng(5).integers(0, bpe4.vocab_size, (2, 40))
+    theirs = torch_logits(hf, reference, ids)
+    assert np.abs(theirs).max() > 1.0  # far from uniform: the comparison has teeth
+    np.testing.assert_allclose(forward(model, jnp.asarray(ids, jnp.int32)), theirs, atol=1e-4)
+
+    prompt = "to be or"
+    prompt_ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        greedy = reference.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=bpe4.token_to_id(EOT),
+        )[0, len(prompt_ids) :].tolist()
+    code, out, err = greedy_from(capsys, directory, tmp_path / "unused", prompt)
+    assert code == 0, err
+    assert out == prompt + tokenizer.decode(greedy) + "\n"
+
+
+def test_a_transformers_4_config_loads_the_same(hf, bpe4, tmp_path):
+    """transformers 4 wrote RoPE's base as rope_theta and no rope_parameters."""
+    directory, reference = make_hf_dir(hf, bpe4, tmp_path / "v4", "llama", seed=7)
+    config = json.loads((directory / "config.json").read_text())
+    theta = config.pop("rope_parameters")["rope_theta"]
+    config.update(rope_theta=theta, rope_scaling=None, torch_dtype="float32")
+    config.pop("dtype", None)
+    (directory / "config.json").write_text(json.dumps(config))
+    _, model = load_hf_model(str(directory))
+    assert model.cfg.rope_theta == 5000.0
+    ids = np.arange(24)[None] % bpe4.vocab_size
+    np.testing.assert_allclose(
+        forward(model, jnp.asarray(ids, jnp.int32)), torch_logits(hf, reference, ids), atol=1e-4
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_dir(hf, bpe4, tmp_path_factory):
+    return make_hf_dir(hf, bpe4, tmp_path_factory.mktemp("llama"), "llama", seed=3)
+
+
+def _broken(llama_dir, tmp_path, config=None, tokenizer=None) -> Path:
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_dir[0], bad)
+    if config:
+        hf_config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps(hf_config | config))
+    if tokenizer:
+        document = json.loads((bad / "tokenizer.json").read_text(encoding="utf-8"))
+        (bad / "tokenizer.json").write_text(json.dumps(tokenizer(document)), encoding="utf-8")
+    return bad
+
+
+METASPACE = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}
+
+
+@pytest.mark.parametrize(
+    ("config", "tokenizer", "fragment"),
+    [
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, None, "rope scaling 'linear'"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+            None,
+            "rope scaling 'llama3'",
+        ),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, None, "sliding-window"),
+        ({"head_dim": 16}, None, "head_dim 16 is not hidden_size / num_attention_heads (8)"),
+        ({"num_key_value_heads": 3}, None, "4 query heads cannot share 3 key/value heads"),
+        ({"hidden_act": "gelu"}, None, "hidden_act 'gelu' is not silu"),
+        (None, lambda d: d | {"pre_tokenizer": METASPACE}, "pre_tokenizer Metaspace"),
+        (
+            None,
+            lambda d: d | {"decoder": {"type": "Sequence", "decoders": []}},
+            "decoder Sequence is not ByteLevel",
+        ),
+        (
+            None,
+            lambda d: d | {"model": d["model"] | {"ignore_merges": True}},
+            "model.ignore_merges=True is not supported",
+        ),
+    ],
+    ids=[
+        "rope-scaling-4",
+        "rope-scaling-5",
+        "sliding",
+        "head-dim",
+        "kv-heads",
+        "act",
+        "sp",
+        "dec",
+        "im",
+    ],
+)
+def test_what_tinyllm_cannot_run_is_refused_in_one_line(
+    llama_dir, tmp_path, capsys, config, tokenizer, fragment
+):
+    bad = _broken(llama_dir, tmp_path, config, tokenizer)
+    code, _, err = greedy_from(capsys, bad, tmp_path / "run", "to")
+    assert_one_line_error(code, err, "tinyllm", fragment)
+    code, _, err = run_cli(capsys, "--train", "--init-from", bad, "--out", tmp_path / "run")
+    assert_one_line_error(code, err, "tinyllm", fragment)
+    assert not (tmp_path / "run" / "tokenizer.pkl").exists()
+
+
+def test_fine_tune_a_llama_checkpoint_then_sample_the_run(hf, llama_dir, corpus, tmp_path, capsys):
+    directory, reference = llama_dir
+    run = tmp_path / "run"
+    code, _, err = run_cli(
+        capsys,
+        "--train",
+        "--config",
+        "shakespeare_char",  # its model section is replaced by the checkpoint's
+        "--init-from",
+        directory,
+        "--input",
+        corpus,
+        "--out",
+        run,
+        "train.batch_size=2",
+        "train.warmup_steps=0",
+        "train.learning_rate=1e-9",  # tiny steps: the weights stay the checkpoint's
+        "train.min_lr=1e-9",
+        "train.max_steps=2",
+        "train.eval_interval=2",
+        "train.eval_steps=1",
+    )
+    assert code == 0, err
+    saved = json.loads((run / "config.json").read_text())["model"]
+    assert (saved["norm"], saved["mlp"], saved["mlp_hidden"], saved["n_embd"]) == (
+        "rmsnorm",
+        "swiglu",
+        48,
+        32,
+    )
+    _, model, _ = open_trained_run(run).load()
+    ids = np.random.default_rng(3).integers(0, model.cfg.vocab_size, (1, 32))
+    np.testing.assert_allclose(
+        forward(model, jnp.asarray(ids, jnp.int32)), torch_logits(hf, reference, ids), atol=1e-4
+    )
+    code, out, err = run_cli(
+        capsys, "--inference", "--out", run, "--prompt", "to be", "--max-new-tokens", "4"
+    )
+    assert code == 0 and out.startswith("to be"), err
+
+
+# -- Llama and Qwen3 out: runs trained here, loaded by transformers ---------------------------
+
+EXPORTS = {
+    "llama-gpt4-pattern": (LLAMA, [*LLAMA_LAYERS, "tokenizer.pattern=gpt4"]),
+    "llama-biases-tied": (LLAMA, [*LLAMA_LAYERS, "model.bias=true", "model.tie_embeddings=true"]),
+    "qwen3-untied": (QWEN3, [*LLAMA_LAYERS, "model.qk_norm=true", "model.tie_embeddings=false"]),
+}
+
+
+@pytest.fixture(scope="module", params=list(EXPORTS))
+def modern_run(request, corpus, tmp_path_factory):
+    """A tiny BPE run of the demo's config (Muon) with Llama's or Qwen3's layers."""
+    family, layers = EXPORTS[request.param]
+    run = tmp_path_factory.mktemp("run") / request.param
+    argv = ["--tokenize", "--train", "--config", "shakespeare", "--input", str(corpus)]
+    argv += ["--out", str(run), "--vocab-size", "300", *TINY_TRAIN, "model.x0_mixing=false"]
+    argv += ["model.qk_norm=false", "train.max_steps=30", "train.eval_interval=30", *layers]
+    assert tinyllm.main(argv) == 0
+    return run, family
+
+
+def test_export_loads_in_transformers_with_our_logits_tokens_and_greedy_text(
+    hf, modern_run, tmp_path, capsys
+):
+    torch, transformers = hf
+    run, family = modern_run
+    out = tmp_path / "hf"
+    assert export_script.main(["--run", str(run), "--out", str(out)]) == 0
+    said = capsys.readouterr().err
+    assert f"({family.name} format: {family.architecture})" in said
+    names = {p.name for p in out.iterdir()}
+    assert names >= {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"}
+    tokenizer, model, _ = open_trained_run(run).load()
+    legacy = family is QWEN3 and tokenizer.pattern == PATTERNS["gpt2"]
+    assert ({"vocab.json", "merges.txt"} <= names) == legacy
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == (
+        family.model_type,
+        [family.architecture],
+    )
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(theirs).__name__ == family.architecture
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    for text in ODD_TEXTS:
+        ids = tokenizer.encode(text)
+        assert their_tokenizer(text)["input_ids"] == ids, text
+        assert their_tokenizer.decode(ids) == tokenizer.decode(ids), text
+    ids = [tokenizer.encode(" ".join(ODD_TEXTS))[:16]]
+    ours = np.asarray(forward(model, jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(ours, torch_logits(hf, theirs, ids), atol=1e-4)
+
+    from model.decoding.generate import generate_all
+
+    prompt = tokenizer.encode("the question")
+    mine = generate_all(model, prompt, max_new_tokens=10, temperature=0.0)[0].tolist()
+    eot = tokenizer.token_to_id(EOT)
+    with torch.no_grad():
+        greedy = theirs.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=eot
+        )[0, len(prompt) :].tolist()
+        torch.manual_seed(0)
+        sampled = theirs.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=True)
+    mine = mine[: mine.index(eot) + 1] if eot in mine else mine  # both stop at EOT
+    assert greedy == mine
+    assert sampled.shape[1] > len(prompt)  # transformers samples it too
+
+    # and back in: --init-from the export gives the run's logits
+    _, back = load_hf_model(str(out))
+    np.testing.assert_allclose(forward(back, jnp.asarray(ids, jnp.int32)), ours, atol=1e-5)
+
+
+def test_a_quantized_run_exports_dequantized(hf, modern_run, tmp_path):
+    _, transformers = hf
+    from model.quantization.export import quantize_run
+
+    run, _ = modern_run
+    quantized = quantize_run(run, bits=8, out_dir=tmp_path / "int8")
+    out, _ = export_run(quantized, tmp_path / "hf")
+    _, model, _ = open_trained_run(quantized).load()  # dequantized weights
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = np.arange(16)[None] % model.cfg.vocab_size
+    np.testing.assert_allclose(
+        forward(model, jnp.asarray(ids, jnp.int32)), torch_logits(hf, theirs, ids), atol=1e-4
+    )
