@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
-from model.interop.hf_format import check_exportable
+from model.interop.families import GPT2, family_for
 from model.network.activations import relu_squared
 from model.network.attention import rms_normalize
 from model.network.config import ModelConfig
@@ -173,10 +173,10 @@ def test_moe_and_qat_train_with_muon_and_every_option():
     ],
 )
 def test_gpt2_export_refuses_what_gpt2_cannot_hold(option, message):
-    with pytest.raises(UsageError, match=f"GPT-2's format cannot express {message}") as err:
-        check_exportable(dataclasses.replace(TINY, **option))
+    with pytest.raises(UsageError, match=f"no Hugging Face family can hold {message}") as err:
+        family_for(dataclasses.replace(TINY, **option))
     assert "\n" not in str(err.value)
-    check_exportable(dataclasses.replace(TINY, zero_init_proj=True))  # only an initialisation
+    assert family_for(dataclasses.replace(TINY, zero_init_proj=True)) is GPT2  # initialisation
 
 
 @pytest.mark.parametrize(

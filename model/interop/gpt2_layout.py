@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from model.interop.config_values import flag, integer, number
 from model.network.config import ModelConfig
 from plumbing.errors import UsageError
 
@@ -40,11 +41,6 @@ _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 def model_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
     """ModelConfig of a GPT2Config dict. Dropout, compute dtype and attention come from
     `base` (how to run it); everything else from the checkpoint (what it is)."""
-
-    def need(key: str) -> Any:
-        if hf.get(key) is None:
-            raise UsageError(f"GPT-2 config.json lacks {key!r}")
-        return hf[key]
 
     unsupported = {
         "scale_attn_weights": (True, hf.get("scale_attn_weights", True)),
@@ -60,16 +56,16 @@ def model_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
             f"GPT-2 config.json: activation_function {activation!r} is not supported "
             f"(one of {', '.join(GELU_OF_HF)})"
         )
-    n_embd = int(need("n_embd"))
+    n_embd = integer(hf, "n_embd", "GPT-2")
     n_inner = hf.get("n_inner")
     if n_inner not in (None, 4 * n_embd):
         raise UsageError(f"GPT-2 config.json: n_inner {n_inner} is not 4 * n_embd ({4 * n_embd})")
     return dataclasses.replace(
         base,
-        vocab_size=int(need("vocab_size")),
-        block_size=int(need("n_positions")),
-        n_layer=int(need("n_layer")),
-        n_head=int(need("n_head")),
+        vocab_size=integer(hf, "vocab_size", "GPT-2"),
+        block_size=integer(hf, "n_positions", "GPT-2"),
+        n_layer=integer(hf, "n_layer", "GPT-2"),
+        n_head=integer(hf, "n_head", "GPT-2"),
         n_embd=n_embd,
         bias=True,
         norm="layernorm",
@@ -77,8 +73,8 @@ def model_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
         mlp_hidden=0,
         gelu=GELU_OF_HF[activation],
         position="learned",
-        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        norm_eps=number(hf, "layer_norm_epsilon", "GPT-2", 1e-5),
+        tie_embeddings=flag(hf, "tie_word_embeddings", "GPT-2", True),
         moe_experts=0,
         qk_norm=False,  # GPT-2's layers, whatever the config's recipe says
         qk_norm_weights=False,

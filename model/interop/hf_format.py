@@ -83,9 +83,14 @@ def model_config_from_hf(
     """ModelConfig of a family's config.json. Dropout, compute dtype and attention come from
     `base` (how to run it); everything else from the checkpoint (what it is)."""
     base = base or ModelConfig()
-    if family is GPT2:
-        return gpt2_layout.model_config(hf, base)
-    return llama_layout.model_config(hf, base, family)
+    try:
+        if family is GPT2:
+            return gpt2_layout.model_config(hf, base)
+        return llama_layout.model_config(hf, base, family)
+    except UsageError:
+        raise
+    except (TypeError, ValueError, AttributeError) as err:  # a value of the wrong JSON type
+        raise UsageError(f"{family.name} config.json: malformed ({err})") from None
 
 
 def hf_config_of(cfg: ModelConfig, family: Family, eot_id: int | None) -> dict[str, Any]:

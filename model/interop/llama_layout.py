@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from model.interop.config_values import flag, integer, number
 from model.interop.families import QWEN3, Family
 from model.network.config import ModelConfig
 from plumbing.errors import UsageError
@@ -39,15 +40,20 @@ def _rope_theta(hf: dict[str, Any], name: str) -> float:
     """RoPE's base from transformers 5's rope_parameters or 4's rope_theta; UsageError for
     any scaling (longer contexts by interpolation: our RoPE has none)."""
     params = hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise UsageError(f"{name} config.json: rope_parameters {params!r} is not an object")
     scaling = hf.get("rope_scaling")
     kind = params.get("rope_type", params.get("type", "default")) if params else None
     if scaling or kind not in (None, "default"):
         chosen = scaling or params
         kind = chosen.get("rope_type", chosen.get("type")) if isinstance(chosen, dict) else chosen
         raise UsageError(f"{name} config.json: rope scaling {kind!r} is not supported")
-    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+    if number({**hf, **params}, "partial_rotary_factor", name, 1.0) != 1.0:
         raise UsageError(f"{name} config.json: partial rotary embeddings are not supported")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = number({**hf, **params}, "rope_theta", name, 10000.0)  # rope_parameters' first
+    if theta <= 0:
+        raise UsageError(f"{name} config.json: rope_theta {theta} is not positive")
+    return theta
 
 
 def _refuse_sliding_windows(hf: dict[str, Any], name: str) -> None:
@@ -61,22 +67,20 @@ def _refuse_sliding_windows(hf: dict[str, Any], name: str) -> None:
 
 def kv_heads(hf: dict[str, Any]) -> int:
     """Key/value heads of a Llama-family config (num_attention_heads without GQA)."""
-    return int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+    heads = integer(hf, "num_attention_heads", "Llama-family")
+    return integer(hf, "num_key_value_heads", "Llama-family", heads)
 
 
 def model_config(hf: dict[str, Any], base: ModelConfig, family: Family) -> ModelConfig:
     """ModelConfig of a LlamaConfig or Qwen3Config dict (transformers 4 or 5). Dropout,
     compute dtype and attention come from `base`; everything else from the checkpoint."""
     name = family.name
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
-        if hf.get(key) is None:
-            raise UsageError(f"{name} config.json lacks {key!r}")
     if hf.get("hidden_act", "silu") != "silu":
         raise UsageError(f"{name} config.json: hidden_act {hf['hidden_act']!r} is not silu")
-    d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    d, heads = integer(hf, "hidden_size", name), integer(hf, "num_attention_heads", name)
     if heads <= 0 or d % heads:
         raise UsageError(f"{name} config.json: hidden_size {d} is not a multiple of {heads} heads")
-    if hf.get("head_dim") not in (None, d // heads):
+    if integer(hf, "head_dim", name, d // heads) != d // heads:
         raise UsageError(
             f"{name} config.json: head_dim {hf['head_dim']} is not hidden_size / "
             f"num_attention_heads ({d // heads}); tinyllm's heads split the width"
@@ -86,22 +90,22 @@ def model_config(hf: dict[str, Any], base: ModelConfig, family: Family) -> Model
             f"{name} config.json: {heads} query heads cannot share {kv_heads(hf)} key/value heads"
         )
     _refuse_sliding_windows(hf, name)
-    attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
+    attention_bias = flag(hf, "attention_bias", name, False)
     return dataclasses.replace(
         base,
-        vocab_size=int(hf["vocab_size"]),
-        block_size=int(hf.get("max_position_embeddings") or 2048),
-        n_layer=int(hf["num_hidden_layers"]),
+        vocab_size=integer(hf, "vocab_size", name),
+        block_size=integer(hf, "max_position_embeddings", name, 2048),
+        n_layer=integer(hf, "num_hidden_layers", name),
         n_head=heads,
         n_embd=d,
-        bias=attention_bias or mlp_bias,
+        bias=attention_bias or flag(hf, "mlp_bias", name, False),
         norm="rmsnorm",
         mlp="swiglu",
-        mlp_hidden=int(hf.get("intermediate_size") or 0),
+        mlp_hidden=integer(hf, "intermediate_size", name, 0),
         position="rope",
         rope_theta=_rope_theta(hf, name),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=number(hf, "rms_norm_eps", name, 1e-6),
+        tie_embeddings=flag(hf, "tie_word_embeddings", name, False),
         moe_experts=0,
         qk_norm=family is QWEN3,
         qk_norm_weights=family is QWEN3,
