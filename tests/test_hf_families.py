@@ -174,6 +174,8 @@ IMPORTS = {
     ),
     "qwen3-gqa-untied": ("qwen3", {}),
     "qwen3-attention-bias-tied": ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
+    # heads wider than hidden_size / num_attention_heads, as Qwen3-0.6B's 16 x 128 on 1024
+    "qwen3-wide-heads": ("qwen3", {"head_dim": 16}),
 }
 
 
@@ -258,7 +260,13 @@ METASPACE = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first
             "rope scaling 'llama3'",
         ),
         ({"layer_types": ["sliding_attention", "full_attention"]}, None, "sliding-window"),
-        ({"head_dim": 16}, None, "head_dim 16 is not hidden_size / num_attention_heads (8)"),
+        ({"head_dim": "16"}, None, "head_dim '16' is not an integer"),
+        ({"layer_types": 5}, None, "Llama config.json: malformed"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": None}, "rope_theta": "x"},
+            None,
+            "rope_theta 'x' is not a finite number",
+        ),
         ({"num_key_value_heads": 3}, None, "4 query heads cannot share 3 key/value heads"),
         ({"hidden_act": "gelu"}, None, "hidden_act 'gelu' is not silu"),
         (None, lambda d: d | {"pre_tokenizer": METASPACE}, "pre_tokenizer Metaspace"),
@@ -278,6 +286,8 @@ METASPACE = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first
         "rope-scaling-5",
         "sliding",
         "head-dim",
+        "types",
+        "theta",
         "kv-heads",
         "act",
         "sp",
@@ -342,7 +352,15 @@ def test_fine_tune_a_llama_checkpoint_then_sample_the_run(hf, llama_dir, corpus,
 EXPORTS = {
     "llama-gpt4-pattern": (LLAMA, [*LLAMA_LAYERS, "tokenizer.pattern=gpt4"]),
     "llama-biases-tied": (LLAMA, [*LLAMA_LAYERS, "model.bias=true", "model.tie_embeddings=true"]),
-    "qwen3-untied": (QWEN3, [*LLAMA_LAYERS, "model.qk_norm=true", "model.tie_embeddings=false"]),
+    "qwen3-untied-wide-heads": (
+        QWEN3,
+        [
+            *LLAMA_LAYERS,
+            "model.qk_norm=true",
+            "model.tie_embeddings=false",
+            "model.attn_head_dim=24",
+        ],
+    ),
 }
 
 

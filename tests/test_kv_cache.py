@@ -24,6 +24,16 @@ VARIANTS = {
     "learned-layernorm-gelu": dict(position="learned", norm="layernorm", mlp="gelu", bias=True),
     "rope-rmsnorm-swiglu": dict(position="rope", norm="rmsnorm", mlp="swiglu"),
     "rope-layernorm-gelu": dict(position="rope", norm="layernorm", mlp="gelu"),
+    # Qwen3's layers: QK-norm with weights, heads wider than n_embd / n_head, MLP width set
+    "qwen3-wide-heads": dict(
+        position="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        qk_norm=True,
+        qk_norm_weights=True,
+        attn_head_dim=24,
+        mlp_hidden=40,
+    ),
     "modern-recipe": dict(
         qk_norm=True, mlp="relu2", logit_softcap=15.0, x0_mixing=True, tie_embeddings=False
     ),

@@ -24,15 +24,16 @@ def decode_bytes_per_sample(cfg: ModelConfig, use_cache: bool) -> int:
     activations of a refill (cached) or of a full forward (uncached: attention scores too).
     """
     s, d, h, v = cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    a = cfg.attn_width  # queries, keys and values: n_head * head_dim each
     item = 2 if cfg.dtype == "bfloat16" else 4
     hidden = max(cfg.mlp_width, cfg.expert_width * max(cfg.moe_top_k, 1))
     total = 8 * s + 8 * v * 4  # context buffers; logits, sort, softmax, cumsum, scatter
     if use_cache:
-        total += 2 * (2 * cfg.n_layer * s * d * item)  # k and v per layer, old + new copy
+        total += 2 * (2 * cfg.n_layer * s * a * item)  # k and v per layer, old + new copy
         w = window_size(s)
-        total += w * (3 * d + hidden + 2 * d) * 4 + 2 * h * w * s * 4  # one refill's work
+        total += w * (3 * a + hidden + 2 * d) * 4 + 2 * h * w * s * 4  # one refill's work
     else:
-        total += s * (3 * d + hidden + 2 * d) * 4 + 2 * h * s * s * 4  # full forward
+        total += s * (3 * a + hidden + 2 * d) * 4 + 2 * h * s * s * 4  # full forward
     return total
 
 

@@ -102,6 +102,7 @@ def _llama_rules(name: str) -> dict[str, Rule]:
         bias=anything,  # attention_bias and mlp_bias
         qk_norm=_equal("qk_norm", False, f"{name} has no QK-norm: Qwen3 has"),
         qk_norm_weights=anything,  # only with qk_norm
+        attn_head_dim=anything,  # head_dim
     )
     return rules
 
@@ -123,6 +124,9 @@ GPT2 = Family(
         "bias": anything,  # a bias-free model exports zero biases: the same function
         "qk_norm": _equal("qk_norm", False, "GPT-2 has no QK-norm"),
         "qk_norm_weights": anything,
+        "attn_head_dim": lambda c: (
+            None if c.attn_head_dim in (0, c.n_embd / c.n_head) else "GPT-2's heads split n_embd"
+        ),
     },
     legacy_tokenizer_files=True,
 )

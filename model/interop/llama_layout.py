@@ -48,9 +48,13 @@ def _rope_theta(hf: dict[str, Any], name: str) -> float:
         chosen = scaling or params
         kind = chosen.get("rope_type", chosen.get("type")) if isinstance(chosen, dict) else chosen
         raise UsageError(f"{name} config.json: rope scaling {kind!r} is not supported")
-    if number({**hf, **params}, "partial_rotary_factor", name, 1.0) != 1.0:
+
+    def read(key: str, default: float) -> float:  # rope_parameters' (5), else top level (4)
+        return number(params if params.get(key) is not None else hf, key, name, default)
+
+    if read("partial_rotary_factor", 1.0) != 1.0:
         raise UsageError(f"{name} config.json: partial rotary embeddings are not supported")
-    theta = number({**hf, **params}, "rope_theta", name, 10000.0)  # rope_parameters' first
+    theta = read("rope_theta", 10000.0)
     if theta <= 0:
         raise UsageError(f"{name} config.json: rope_theta {theta} is not positive")
     return theta
@@ -78,13 +82,9 @@ def model_config(hf: dict[str, Any], base: ModelConfig, family: Family) -> Model
     if hf.get("hidden_act", "silu") != "silu":
         raise UsageError(f"{name} config.json: hidden_act {hf['hidden_act']!r} is not silu")
     d, heads = integer(hf, "hidden_size", name), integer(hf, "num_attention_heads", name)
-    if heads <= 0 or d % heads:
+    head_dim = integer(hf, "head_dim", name, 0)  # 0: hidden_size / heads, as transformers
+    if heads <= 0 or (not head_dim and d % heads):
         raise UsageError(f"{name} config.json: hidden_size {d} is not a multiple of {heads} heads")
-    if integer(hf, "head_dim", name, d // heads) != d // heads:
-        raise UsageError(
-            f"{name} config.json: head_dim {hf['head_dim']} is not hidden_size / "
-            f"num_attention_heads ({d // heads}); tinyllm's heads split the width"
-        )
     if kv_heads(hf) <= 0 or heads % kv_heads(hf):
         raise UsageError(
             f"{name} config.json: {heads} query heads cannot share {kv_heads(hf)} key/value heads"
@@ -98,6 +98,7 @@ def model_config(hf: dict[str, Any], base: ModelConfig, family: Family) -> Model
         n_layer=integer(hf, "num_hidden_layers", name),
         n_head=heads,
         n_embd=d,
+        attn_head_dim=head_dim if head_dim * heads != d else 0,
         bias=attention_bias or flag(hf, "mlp_bias", name, False),
         norm="rmsnorm",
         mlp="swiglu",
@@ -151,7 +152,7 @@ def hf_config(cfg: ModelConfig, family: Family, eot_id: int | None) -> dict[str,
 
 def expected_shapes(hf: dict[str, Any], cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Safetensors key -> shape that a file of this config holds (lm_head.weight only untied)."""
-    d, f, v, dh = cfg.n_embd, cfg.mlp_width, cfg.vocab_size, cfg.head_dim
+    d, f, v, dh, a = cfg.n_embd, cfg.mlp_width, cfg.vocab_size, cfg.head_dim, cfg.attn_width
     kv = kv_heads(hf) * dh
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
     shapes["model.norm.weight"] = (d,)
@@ -160,14 +161,14 @@ def expected_shapes(hf: dict[str, Any], cfg: ModelConfig) -> dict[str, tuple[int
     for i in range(cfg.n_layer):
         at, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         layer = {f"model.layers.{i}.{n}": (d,) for n in _NORMS.values()}
-        layer.update({at + "q_proj.weight": (d, d), at + "o_proj.weight": (d, d)})
+        layer.update({at + "q_proj.weight": (a, d), at + "o_proj.weight": (d, a)})
         layer.update({at + "k_proj.weight": (kv, d), at + "v_proj.weight": (kv, d)})
         layer.update({mlp + "gate_proj.weight": (f, d), mlp + "up_proj.weight": (f, d)})
         layer[mlp + "down_proj.weight"] = (d, f)
         if cfg.qk_norm:
             layer.update({at + "q_norm.weight": (dh,), at + "k_norm.weight": (dh,)})
         if hf.get("attention_bias"):
-            layer.update({at + "q_proj.bias": (d,), at + "o_proj.bias": (d,)})
+            layer.update({at + "q_proj.bias": (a,), at + "o_proj.bias": (d,)})
             layer.update({at + "k_proj.bias": (kv,), at + "v_proj.bias": (kv,)})
         if hf.get("mlp_bias"):
             layer.update({mlp + "gate_proj.bias": (f,), mlp + "up_proj.bias": (f,)})

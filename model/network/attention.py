@@ -243,10 +243,10 @@ class CausalSelfAttention(nnx.Module):
         if cfg.qk_norm_weights:  # Qwen3's q_norm/k_norm: one scale per head dimension
             self.q_norm = nnx.Param(jnp.ones(cfg.head_dim, jnp.float32))
             self.k_norm = nnx.Param(jnp.ones(cfg.head_dim, jnp.float32))
-        self.c_attn = linear(cfg, cfg.n_embd, 3 * cfg.n_embd, 0.02, rngs)
+        self.c_attn = linear(cfg, cfg.n_embd, 3 * cfg.attn_width, 0.02, rngs)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), two per block, so the
         # residual stream's variance does not grow with depth.
-        self.c_proj = linear(cfg, cfg.n_embd, cfg.n_embd, cfg.resid_std, rngs)
+        self.c_proj = linear(cfg, cfg.attn_width, cfg.n_embd, cfg.resid_std, rngs)
         self.attn_dropout = nnx.Dropout(cfg.dropout) if cfg.dropout > 0 else None
         self.attention = cfg.attention
         self.dtype_name = cfg.dtype
@@ -289,9 +289,10 @@ class CausalSelfAttention(nnx.Module):
         S, a query at position p sees slots 0..p, so the caller may pass the first slots only.
         """
         b, t, d = x_BxTxD.shape
+        width = self.n_head * self.head_dim  # d, unless the heads are set wider or narrower
         # Projections on [B*T, D]: XLA:CPU runs the backward of 2-D matmuls ~2.5x faster than
         # of the same matmuls with two batch dimensions.
-        qkv_BxTx3D = self.c_attn(x_BxTxD.reshape(b * t, d)).reshape(b, t, 3 * d)
+        qkv_BxTx3D = self.c_attn(x_BxTxD.reshape(b * t, d)).reshape(b, t, 3 * width)
         q, k, v = jnp.split(qkv_BxTx3D, 3, axis=-1)
         q_BxTxHxD = q.reshape(b, t, self.n_head, self.head_dim)
         k_BxTxHxD = k.reshape(b, t, self.n_head, self.head_dim)
@@ -316,6 +317,6 @@ class CausalSelfAttention(nnx.Module):
             # XLA's products on the cache as it lies (a position mask: no cuDNN, see above)
             mask = position_mask(positions_BxT, keys.shape[2])
             y_BxTxHxD = attend(q_BxTxHxD, keys, values, mask, heads_first=True)
-        y_BxTxD = self.c_proj(y_BxTxHxD.reshape(b * t, d)).reshape(b, t, d)
+        y_BxTxD = self.c_proj(y_BxTxHxD.reshape(b * t, width)).reshape(b, t, d)
         y_BxTxD = self.resid_dropout(y_BxTxD, deterministic=deterministic, rngs=rngs)
         return y_BxTxD, new_cache

@@ -48,6 +48,9 @@ class ModelConfig:
     n_layer: int = 6  # number of transformer blocks
     n_head: int = 6  # attention heads per block; n_embd must be a multiple of it
     n_embd: int = 384  # width of the residual stream (defaults: nanoGPT's Shakespeare model)
+    # Width of one attention head; 0 = n_embd / n_head (then n_embd must be a multiple of
+    # n_head). Wider heads than the stream split into (Qwen3-0.6B: 16 heads of 128 on 1024).
+    attn_head_dim: int = 0
     dropout: float = 0.0  # dropout rate on embeddings, attention weights and residual branches
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 had them)
     norm: str = "layernorm"  # "layernorm" | "rmsnorm" (pre-norm, before each sub-block)
@@ -94,8 +97,13 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head (n_embd // n_head)."""
-        return self.n_embd // self.n_head
+        """Width of one attention head: model.attn_head_dim, or n_embd // n_head."""
+        return self.attn_head_dim or self.n_embd // self.n_head
+
+    @property
+    def attn_width(self) -> int:
+        """Width of the queries (and keys, values) of all heads: n_head * head_dim."""
+        return self.n_head * self.head_dim
 
     @property
     def resid_std(self) -> float:
@@ -146,7 +154,7 @@ class ModelConfig:
         mlp_widths = 3 if self.mlp == "swiglu" else 2  # gate + up + proj, or fc + proj
         n_moe = self.n_moe_layers
         expert = mlp_widths * self.expert_width * c
-        per_layer = 4 * c * c + 8 * c  # attention, norms and biases
+        per_layer = 4 * c * self.attn_width + 8 * c  # attention, norms and biases
         mlps = (self.n_layer - n_moe) * mlp_widths * self.mlp_width * c
         mlps += n_moe * (self.moe_experts * expert + c * self.moe_experts)
         positions = self.block_size * c if self.position == "learned" else 0
@@ -180,7 +188,13 @@ class ModelConfig:
                 raise UsageError(
                     f"model.{name} must be at most {limits.get(name, MAX_DIM)}, got {value}"
                 )
-        if self.n_embd % self.n_head != 0:
+        head = self.attn_head_dim
+        if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head <= MAX_DIM:
+            raise UsageError(
+                f"model.attn_head_dim must be an integer >= 0 (0 = n_embd / n_head, at most "
+                f"{MAX_DIM}), got {head!r}"
+            )
+        if not head and self.n_embd % self.n_head != 0:
             raise UsageError(
                 f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head ({self.n_head})"
             )
