@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--tokenizer", choices=["bpe", "char", "gpt2"], help="tokenizer kind")
     tok.add_argument("--vocab-size", type=int, dest="vocab_size")
     tok.add_argument("--special-tokens", nargs="*", dest="special_tokens", metavar="TOKEN")
-    tok.add_argument("--pattern", choices=["gpt2", "gpt4"], help="pre-tokenization pattern")
+    tok.add_argument(
+        "--pattern", choices=["gpt2", "gpt4", "llama3", "qwen2"], help="pre-tokenization pattern"
+    )
 
     sample = p.add_argument_group("inference (shorthands for sample.*)")
     sample.add_argument("--prompt")

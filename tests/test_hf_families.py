@@ -440,3 +440,47 @@ def test_a_quantized_run_exports_dequantized(hf, modern_run, tmp_path):
     np.testing.assert_allclose(
         forward(model, jnp.asarray(ids, jnp.int32)), torch_logits(hf, theirs, ids), atol=1e-4
     )
+
+
+# -- Qwen's and Llama 3's tokenizer.json: a Split of a known regex, Qwen's NFC -----------------
+
+
+@pytest.mark.parametrize("pattern", ["qwen2", "llama3"])
+def test_qwen_and_llama3_tokenizer_json_encode_as_the_tokenizers_library(corpus, tmp_path, pattern):
+    """A tokenizer.json as Qwen's (its regex, NFC, added tokens outside model.vocab) or Llama
+    3's (its regex) files have it gives the ids of Hugging Face's tokenizers library, and
+    --train keeps the normalizer in the run's tokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    normalizer = "NFC" if pattern == "qwen2" else None
+    trained = BPETokenizer.train(
+        corpus.read_text(), vocab_size=300, special_tokens=[EOT], pattern=pattern
+    )
+    path = tmp_path / "tokenizer.json"
+    write_tokenizer_json(
+        trained.vocab, trained.merges, trained.special_tokens, path, trained.pattern, normalizer
+    )
+    document = json.loads(path.read_text(encoding="utf-8"))
+    del document["model"]["vocab"][EOT]  # Qwen's files list added tokens only as such
+    path.write_text(json.dumps(document), encoding="utf-8")
+    ours = BPETokenizer.from_tokenizer_json(path)
+    assert (ours.pattern, ours.normalizer) == (trained.pattern, normalizer)
+    library = tokenizers.Tokenizer.from_file(str(path))
+    texts = [*ODD_TEXTS, "Cafe\u0301 e\u0301te\u0301 12345 it's I'LL", "x\r\n\r\n  y\n"]
+    for text in texts:
+        assert library.encode(text).ids == ours.encode(text), text
+        assert list(ours.encode_array(text)) == ours.encode(text), text
+    assert ours.encode("e\u0301") == ours.encode("\u00e9") or normalizer is None
+    ours.save(tmp_path / "tokenizer.pkl")  # the run directory's copy keeps it
+    back = BPETokenizer.load(tmp_path / "tokenizer.pkl")
+    assert (back.normalizer, back.encode(texts[-2])) == (normalizer, ours.encode(texts[-2]))
+
+
+def test_a_split_regex_tinyllm_does_not_ship_is_refused(bpe4, tmp_path):
+    """The regex runs on every text encoded: only the patterns tinyllm ships are accepted."""
+    path = tmp_path / "tokenizer.json"
+    write_tokenizer_json(bpe4.vocab, bpe4.merges, bpe4.special_tokens, path, bpe4.pattern)
+    document = json.loads(path.read_text(encoding="utf-8"))
+    document["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(a+)+$"
+    path.write_text(json.dumps(document), encoding="utf-8")
+    with pytest.raises(UsageError, match="is none of tinyllm's patterns"):
+        BPETokenizer.from_tokenizer_json(path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import os
 import threading
+import unicodedata
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,8 @@ CACHE_MAX_ENTRIES = 1 << 18
 # Chunks longer than this many bytes are merged with a heap (O(n log n)) instead of the list
 # scan (O(n^2), faster for the short chunks of real text).
 HEAP_MIN_BYTES = 64
+# Unicode normalizations a tokenizer may apply before splitting: none, or NFC (Qwen's files).
+NORMALIZERS = (None, "NFC")
 
 
 class BPETokenizer(Tokenizer):
@@ -58,7 +61,11 @@ class BPETokenizer(Tokenizer):
         merges: Iterable[tuple[bytes, bytes]],
         special_tokens: Mapping[str, int] | None = None,
         pattern: str = "gpt2",
+        normalizer: str | None = None,
     ) -> None:
+        if normalizer not in NORMALIZERS:
+            raise UsageError(f"normalizer {normalizer!r} is not one of None, NFC")
+        self.normalizer = normalizer  # Unicode normal form of text before it is split (Qwen's)
         self.vocab = dict(vocab)
         self.merges = [(a, b) for a, b in merges]
         self.special_tokens = dict(special_tokens or {})
@@ -157,10 +164,10 @@ class BPETokenizer(Tokenizer):
         Its added tokens (`<|endoftext|>`) are the special tokens, with their ids; or give
         `special_tokens` to choose them (one the file lacks gets a new id after the largest).
         """
-        vocab, merges, added, pattern = read_tokenizer_json(path)
+        vocab, merges, added, pattern, normalizer = read_tokenizer_json(path)
         chosen = added if special_tokens is None else special_tokens
         specials = _assign_specials(vocab, chosen, added, merges)
-        return cls(vocab, merges, specials, pattern)
+        return cls(vocab, merges, specials, pattern, normalizer)
 
     @classmethod
     def from_tiktoken(
@@ -212,6 +219,8 @@ class BPETokenizer(Tokenizer):
     def _encode_ordinary_array(self, text: str) -> array:
         """Ids of ordinary text as an array('I') (C-core path: no Python int per token)."""
         out = array("I")
+        if self.normalizer:
+            text = unicodedata.normalize(self.normalizer, text)
         if self._core_merges is None:
             out.extend(self.encode_ordinary(text))
             return out
@@ -251,6 +260,8 @@ class BPETokenizer(Tokenizer):
         """
         if self._core_merges is not None:
             return self._encode_ordinary_array(text).tolist()
+        if self.normalizer:
+            text = unicodedata.normalize(self.normalizer, text)
         text = c_core.replace_surrogates(text)
         # findall (one C call) beats finditer; the cache computes a missing chunk itself
         # (__missing__), so the lookups and the flattening all run in C.
@@ -307,11 +318,18 @@ class BPETokenizer(Tokenizer):
             "merges": list(self.merges),
             "special_tokens": dict(self.special_tokens),
             "pattern": self.pattern,
+            "normalizer": self.normalizer,
         }
 
     @classmethod
     def _from_params(cls, params: dict[str, Any]) -> Self:
-        return cls(params["vocab"], params["merges"], params["special_tokens"], params["pattern"])
+        return cls(
+            params["vocab"],
+            params["merges"],
+            params["special_tokens"],
+            params["pattern"],
+            params.get("normalizer"),
+        )
 
 
 def _merge_heap(ids: list[int], merge_of: Mapping[int, tuple[int, int]]) -> list[int]:

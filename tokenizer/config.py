@@ -11,6 +11,7 @@ from typing import Self
 
 from plumbing import checks
 from plumbing.errors import UsageError
+from tokenizer.pretokenize import PATTERNS
 
 KINDS = ("bpe", "char", "gpt2")
 
@@ -20,15 +21,17 @@ class TokenizerConfig:
     kind: str = "bpe"  # bpe (trained here) | char (nanoGPT's baseline) | gpt2 (pretrained r50k)
     vocab_size: int = 2048  # 256 bytes + merges + special tokens (bpe only)
     special_tokens: list[str] = field(default_factory=lambda: ["<|endoftext|>"])
-    pattern: str = "gpt2"  # pre-tokenization regex: gpt2 | gpt4
+    pattern: str = "gpt2"  # pre-tokenization regex: gpt2 | gpt4 | llama3 | qwen2
     gpt2_files: list[str] = field(default_factory=list)  # vocab.json + merges.txt (kind=gpt2)
 
     def validate(self) -> Self:
         """Raise UsageError naming the first bad value; return self if all are good."""
         if self.kind not in KINDS:
             raise UsageError(f"tokenizer.kind must be bpe, char or gpt2, got {self.kind!r}")
-        if self.pattern not in ("gpt2", "gpt4"):
-            raise UsageError(f"tokenizer.pattern must be gpt2 or gpt4, got {self.pattern!r}")
+        if self.pattern not in PATTERNS:
+            raise UsageError(
+                f"tokenizer.pattern must be one of {', '.join(PATTERNS)}, got {self.pattern!r}"
+            )
         smallest = 256 + len(self.special_tokens)
         if self.kind == "bpe" and self.vocab_size < smallest:
             raise UsageError(

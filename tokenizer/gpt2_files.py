@@ -144,12 +144,13 @@ def write_tokenizer_json(
     special_tokens: dict[str, int],
     path: str | os.PathLike,
     pattern: str | None = None,
+    normalizer: str | None = None,
 ) -> None:
     """Write a Hugging Face `tokenizer.json` for a byte-level BPE, as the `tokenizers`
     library writes GPT-2's: ByteLevel pre-tokenizer (GPT-2's regex, no prefix space), decoder
     and post-processor, a BPE model, and the special tokens as added (never split) tokens.
     Another pre-tokenization `pattern` (a regex source) goes in a Split before a regex-free
-    ByteLevel, as Llama 3's and Qwen's files have it.
+    ByteLevel, as Llama 3's and Qwen's files have it; `normalizer` "NFC" as Qwen's.
 
     The merges are written as "left right" strings, which every `tokenizers` version reads;
     the [left, right] pairs it writes since 0.20 would break older ones.
@@ -184,7 +185,7 @@ def write_tokenizer_json(
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": None,
+        "normalizer": {"type": normalizer} if normalizer else None,
         "pre_tokenizer": pre_tokenizer,
         # add_prefix_space/trim_offsets here only move offsets (the library's GPT-2 values)
         "post_processor": {**byte_level, "add_prefix_space": True, "trim_offsets": False},
@@ -207,11 +208,12 @@ def write_tokenizer_json(
 
 def read_tokenizer_json(
     path: str | os.PathLike,
-) -> tuple[Vocab, Merges, dict[str, int], str]:
+) -> tuple[Vocab, Merges, dict[str, int], str, str | None]:
     """Read a Hugging Face `tokenizer.json` of a byte-level BPE (what transformers 5 saves).
 
     Returns (vocab id -> bytes, merges in rank order, added tokens text -> id, the
-    pre-tokenization regex: GPT-2's, or a Split pre-tokenizer's). The merges may
+    pre-tokenization regex: GPT-2's, or a Split pre-tokenizer's, and the normalizer: None or
+    "NFC"). The merges may
     be "left right" strings or [left, right] pairs (tokenizers >= 0.20). The added tokens
     (GPT-2's `<|endoftext|>`, in the vocab or not) are for the special tokens: Hugging Face
     matches all of them before BPE, as we match special tokens. Anything that would encode
@@ -253,7 +255,8 @@ def read_tokenizer_json(
             raise UsageError(
                 f"{path}: merge {rank} ({str(pair)[:40]!r}) is not a pair of byte-level tokens"
             ) from None
-    return vocab, merges, added, pattern
+    normalizer = _kind(document.get("normalizer"))  # checked: None or NFC
+    return vocab, merges, added, pattern, normalizer
 
 
 def _kind(section: object) -> str | None:
@@ -286,8 +289,13 @@ def _byte_level_pattern(document: dict, model: dict, path: str | os.PathLike) ->
         (kind(pre) != "ByteLevel", f"pre_tokenizer {kind(pre)} is not ByteLevel"),
         (kind(decoder) != "ByteLevel", f"decoder {kind(decoder)} is not ByteLevel"),
         (
-            document.get("normalizer") is not None,
-            f"normalizer {kind(document.get('normalizer'))} changes the text (GPT-2 has none)",
+            document.get("normalizer") is not None and kind(document["normalizer"]) != "NFC",
+            f"normalizer {kind(document.get('normalizer'))} is not supported (NFC is)",
+        ),
+        (
+            regex is not None and regex not in PATTERNS.values(),
+            f"pre_tokenizer Split regex {str(regex)[:40]!r}... is none of tinyllm's patterns "
+            f"({', '.join(PATTERNS)})",
         ),
         (
             kind(pre) == "ByteLevel" and pre.get("use_regex", True) is not True,

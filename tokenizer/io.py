@@ -66,6 +66,7 @@ def load_params(path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     if problem:
         raise UsageError(f"{not_ours} ({problem})")
     params = {k: payload[k] for k in ("vocab", "merges", "special_tokens", "pattern")}
+    params["normalizer"] = payload.get("normalizer")  # absent in files of older versions
     return payload["kind"], params
 
 
@@ -98,7 +99,9 @@ def _check_payload(payload: Any) -> str:
     # the patterns this code ships are accepted.
     known = {"bpe": {*PATTERNS, *PATTERNS.values()}, "char": {""}}[payload["kind"]]
     if pattern not in known:
-        return "its pre-tokenization pattern is not one of gpt2, gpt4"
+        return f"its pre-tokenization pattern is not one of {', '.join(PATTERNS)}"
+    if payload.get("normalizer") not in (None, "NFC"):
+        return f"normalizer {payload.get('normalizer')!r} is not one of None, NFC"
     if len(vocab) > MAX_VOCAB_SIZE:
         return f"vocabulary of {len(vocab)} tokens, more than {MAX_VOCAB_SIZE}"
     n = len(vocab)

@@ -20,17 +20,29 @@ import regex
 
 from plumbing.errors import UsageError
 
-# GPT-2 (r50k_base) and GPT-4 (cl100k_base) split patterns, as tiktoken ships them.
+# The pre-tokenization regexes a tokenizer may use (only these: a crafted regex could hang the
+# encoder). GPT-2 (r50k_base) and GPT-4 (cl100k_base) split patterns, as tiktoken ships them.
 PATTERNS: dict[str, str] = {
     "gpt2": r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
     "gpt4": (
         r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++"""
         r"""[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
     ),
+    # As Hugging Face tokenizer.json files write them (a Split before a regex-free ByteLevel):
+    # Llama 3's is GPT-4's cl100k regex without possessive quantifiers; Qwen2/2.5/3's splits
+    # digits one by one.
+    "llama3": (
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"""
+        r"""[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    ),
+    "qwen2": (
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"""
+        r"""[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    ),
 }
 
-# A position p is a safe cut for the GPT-2 and GPT-4 patterns when text[p-1] is a letter or
-# digit and text[p] is whitespace: no alternative of either pattern matches across it (letter
+# A position p is a safe cut for every pattern of PATTERNS when text[p-1] is a letter or
+# digit and text[p] is whitespace: no alternative of any of them matches across it (letter
 # and digit runs stop at whitespace; whitespace runs cannot include a letter) and none looks
 # behind, so chunking the two sides separately gives the chunks of the whole. Searched from the
 # end (REVERSE) so that finding the last cut in a big buffer costs only the distance to it.
@@ -43,7 +55,7 @@ PIECE_CHARS = 2 << 20
 
 
 def resolve_pattern(pattern: str) -> str:
-    """Return the regex source for a pattern name ("gpt2", "gpt4") or a regex string itself.
+    """Return the regex source for a pattern name (a key of PATTERNS) or a regex string itself.
 
     >>> resolve_pattern("gpt2") == PATTERNS["gpt2"]
     True
@@ -53,7 +65,7 @@ def resolve_pattern(pattern: str) -> str:
         compiled = regex.compile(source)
     except regex.error as exc:
         raise UsageError(
-            f"bad pre-tokenization pattern {pattern!r}: {exc}; use 'gpt2' or 'gpt4'"
+            f"bad pre-tokenization pattern {pattern!r}: {exc}; use one of {', '.join(PATTERNS)}"
         ) from None
     if compiled.groups:
         # findall would return the groups, not the chunks.

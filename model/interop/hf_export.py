@@ -71,6 +71,7 @@ def export_run(run_dir: Path, out_dir: Path) -> tuple[Path, Family]:
             tokenizer.special_tokens,
             staging / TOKENIZER_JSON,
             tokenizer.pattern,
+            tokenizer.normalizer,
         )
         if legacy:
             tokenizer.export_gpt2_files(staging / VOCAB_JSON, staging / MERGES_TXT)
