@@ -10,7 +10,7 @@
     rundir/             the run directory: file layout, lock, checkpoints, opening a trained run
     processes/          devices and meshes, several processes and hosts
     quantization/       int8/int4 weights: the math, the quantized file, quantizing a run
-    interop/            Hugging Face GPT-2 checkpoints in and out
+    interop/            Hugging Face checkpoints in and out (GPT-2, Llama, Qwen3)
     serving/            the HTTP server: continuous batching, OpenAI's API, the playground
     accelerators/       GPUs and TPUs from a CPU: the device table, the plan, lowering checks
 

@@ -148,9 +148,8 @@ def make_hf_dir(hf, tokenizer, directory: Path, model_type: str, seed: int = 0, 
         "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0},
         **config,
     }
-    hf_config = config_class(
-        vocab_size=tokenizer.vocab_size, bos_token_id=eot, eos_token_id=eot, **settings
-    )
+    settings = {"vocab_size": tokenizer.vocab_size, **settings}
+    hf_config = config_class(bos_token_id=eot, eos_token_id=eot, **settings)
     torch.manual_seed(seed)
     model = model_class(hf_config).eval()
     with torch.no_grad():
@@ -484,3 +483,18 @@ def test_a_split_regex_tinyllm_does_not_ship_is_refused(bpe4, tmp_path):
     path.write_text(json.dumps(document), encoding="utf-8")
     with pytest.raises(UsageError, match="is none of tinyllm's patterns"):
         BPETokenizer.from_tokenizer_json(path)
+
+
+def test_a_vocabulary_padded_beyond_the_tokenizer_is_cut_to_it(hf, bpe4, tmp_path):
+    """Qwen3 pads its 151,669 tokens to 151,936 rows: the rows no token can be are cut, the
+    logits of the others are the checkpoint's."""
+    padded = bpe4.vocab_size + 20
+    directory, reference = make_hf_dir(hf, bpe4, tmp_path / "padded", "qwen3", vocab_size=padded)
+    tokenizer, model = load_hf_model(str(directory))
+    assert model.cfg.vocab_size == tokenizer.vocab_size == bpe4.vocab_size
+    ids = np.arange(24)[None] % bpe4.vocab_size
+    theirs = torch_logits(hf, reference, ids)
+    assert theirs.shape[-1] == padded
+    np.testing.assert_allclose(
+        forward(model, jnp.asarray(ids, jnp.int32)), theirs[..., : bpe4.vocab_size], atol=1e-4
+    )

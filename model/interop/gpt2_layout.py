@@ -145,6 +145,7 @@ def expected_shapes(hf: dict[str, Any], ours: dict[str, tuple[int, ...]]) -> dic
     return expected
 
 
+VOCAB_TENSORS = ("transformer.wte.weight", "lm_head.weight")  # a row per token
 OPTIONAL = frozenset({"lm_head.weight"})  # tied files may carry it, as the embedding again
 
 

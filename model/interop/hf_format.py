@@ -121,6 +121,11 @@ def expected_tensors(
     return llama_layout.expected_shapes(hf, cfg)
 
 
+def vocab_tensors(family: Family) -> tuple[str, ...]:
+    """The (canonical) tensors with a row per token: the embedding and the output layer."""
+    return _layout(family).VOCAB_TENSORS
+
+
 def canonical(family: Family, tensors: dict[str, Any]) -> dict[str, Any]:
     """A file's tensors under the names its family's model class saves them with."""
     return gpt2_layout.canonical(tensors) if family is GPT2 else dict(tensors)

@@ -13,6 +13,7 @@ picks the family; the mappings are model/interop/hf_format.py and its layouts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 from flax import nnx
 
+from model.interop.families import Family
 from model.interop.hf_format import (
     CONFIG_JSON,
     EOT,
@@ -36,6 +38,7 @@ from model.interop.hf_format import (
     read_safetensors,
     require_files,
     tokenizer_files,
+    vocab_tensors,
 )
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
@@ -78,9 +81,43 @@ def resolve_hf_dir(name: str) -> Path:
 
 
 def hf_model_config(name: str, base: ModelConfig | None = None) -> ModelConfig:
-    """ModelConfig of a checkpoint directory or hub id (reads config.json only)."""
-    family, hf = read_hf_config(resolve_hf_dir(name))
-    return model_config_from_hf(hf, base, family)
+    """ModelConfig of a checkpoint directory or hub id (config.json, and the tokenizer's size:
+    see `_fit_vocab`)."""
+    directory = resolve_hf_dir(name)
+    _, hf, model_cfg = _read_config(directory, base)
+    return _fit_vocab(hf, model_cfg, load_hf_tokenizer(str(directory)))[1]
+
+
+def _read_config(directory: Path, base: ModelConfig | None) -> tuple[Family, dict, ModelConfig]:
+    family, hf = read_hf_config(directory)
+    return family, hf, model_config_from_hf(hf, base, family)
+
+
+def _fit_vocab(
+    hf: dict, model_cfg: ModelConfig, tokenizer: BPETokenizer
+) -> tuple[dict, ModelConfig]:
+    """(config.json, ModelConfig) with the vocabulary cut to the tokenizer's when config.json's
+    is larger (Qwen3 pads 151,669 tokens to 151,936 rows): rows no token can be are never
+    sampled, and the logits of the others are the checkpoint's. UsageError when the tokenizer
+    has more tokens than the model."""
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise UsageError(
+            f"the checkpoint's tokenizer has {tokenizer.vocab_size} tokens, the model only "
+            f"{model_cfg.vocab_size} (config.json vocab_size)"
+        )
+    fitted = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
+    return {**hf, "vocab_size": tokenizer.vocab_size}, fitted
+
+
+def _cut_vocab(tensors: dict[str, Any], family: Family, rows: int) -> dict[str, Any]:
+    """A file's tensors (or shapes), canonical, with the vocabulary rows cut to `rows`."""
+    tensors = canonical(family, tensors)
+    cut = set(vocab_tensors(family))
+
+    def rows_of(value):
+        return (rows, *value[1:]) if isinstance(value, tuple) else value[:rows]
+
+    return {k: rows_of(v) if k in cut else v for k, v in tensors.items()}
 
 
 def load_hf_tokenizer(name: str) -> BPETokenizer:
@@ -103,10 +140,10 @@ def load_hf_tokenizer(name: str) -> BPETokenizer:
 def load_hf_params(name: str, params_like: Any, base: ModelConfig | None = None) -> Any:
     """The checkpoint's weights shaped (and placed) like `params_like`, e.g. a Trainer's."""
     directory = resolve_hf_dir(name)
-    require_files(directory, (CONFIG_JSON, WEIGHTS))
-    family, hf = read_hf_config(directory)
-    model_cfg = model_config_from_hf(hf, base, family)
-    tensors = read_safetensors(directory / WEIGHTS)
+    require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
+    family, hf, model_cfg = _read_config(directory, base)
+    hf, model_cfg = _fit_vocab(hf, model_cfg, load_hf_tokenizer(str(directory)))
+    tensors = _cut_vocab(read_safetensors(directory / WEIGHTS), family, model_cfg.vocab_size)
     return params_from_hf(tensors, family, hf, model_cfg, params_like, directory / WEIGHTS)
 
 
@@ -114,21 +151,12 @@ def load_hf_model(name: str, base: ModelConfig | None = None) -> tuple[BPETokeni
     """(tokenizer, GPT) of a Hugging Face checkpoint directory or hub id."""
     directory = resolve_hf_dir(name)
     require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
-    family, hf = read_hf_config(directory)
-    model_cfg = model_config_from_hf(hf, base, family)
     tokenizer = load_hf_tokenizer(str(directory))
-    _check_vocab(tokenizer, model_cfg, directory)
+    _, hf, model_cfg = _read_config(directory, base)
+    model_cfg = _fit_vocab(hf, model_cfg, tokenizer)[1]
     graphdef, abstract, rest = abstract_model(model_cfg)
     params = load_hf_params(str(directory), abstract, base)
     return tokenizer, nnx.merge(graphdef, params, rest)
-
-
-def _check_vocab(tokenizer: BPETokenizer, model_cfg: ModelConfig, directory: Path) -> None:
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise UsageError(
-            f"{directory}: the tokenizer has {tokenizer.vocab_size} tokens, the model only "
-            f"{model_cfg.vocab_size} (config.json vocab_size)"
-        )
 
 
 def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) -> None:
@@ -140,10 +168,9 @@ def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) ->
 
     directory = resolve_hf_dir(name)
     require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
-    family, hf = read_hf_config(directory)
-    model_cfg = model_config_from_hf(hf, base, family)
     tokenizer = load_hf_tokenizer(str(directory))
-    _check_vocab(tokenizer, model_cfg, directory)
+    family, hf, model_cfg = _read_config(directory, base)
+    hf, model_cfg = _fit_vocab(hf, model_cfg, tokenizer)
     try:
         with safe_open(str(directory / WEIGHTS), framework="np") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
@@ -152,5 +179,6 @@ def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) ->
             f"{directory / WEIGHTS}: not a readable safetensors file ({err})"
         ) from None
     expected = expected_tensors(family, hf, model_cfg, abstract_model(model_cfg)[1])
-    check_tensor_shapes(canonical(family, shapes), expected, family, directory / WEIGHTS)
+    shapes = _cut_vocab(shapes, family, model_cfg.vocab_size)
+    check_tensor_shapes(shapes, expected, family, directory / WEIGHTS)
     tokenizer.save(path)

@@ -177,6 +177,7 @@ def expected_shapes(hf: dict[str, Any], cfg: ModelConfig) -> dict[str, tuple[int
     return shapes
 
 
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # a row per token
 OPTIONAL = frozenset({"lm_head.weight"})  # tied files may carry it, as the embedding again
 
 
