@@ -23,12 +23,15 @@ from model.network.config import ModelConfig
 from model.rundir.trained import open_trained_run
 from plumbing.errors import UsageError
 from tests.test_hf_gpt2 import (  # noqa: F401 (corpus, hf: fixtures)
+    FINETUNE_SETTINGS,
     ODD_TEXTS,
     corpus,
     export_script,
+    finetune_argv,
     greedy_from,
     hf,
     run_cli,
+    same_greedy_text,
     torch_logits,
 )
 from tests.test_quant import assert_one_line_error
@@ -308,25 +311,8 @@ def test_what_tinyllm_cannot_run_is_refused_in_one_line(
 def test_fine_tune_a_llama_checkpoint_then_sample_the_run(hf, llama_dir, corpus, tmp_path, capsys):
     directory, reference = llama_dir
     run = tmp_path / "run"
-    code, _, err = run_cli(
-        capsys,
-        "--train",
-        "--config",
-        "shakespeare_char",  # its model section is replaced by the checkpoint's
-        "--init-from",
-        directory,
-        "--input",
-        corpus,
-        "--out",
-        run,
-        "train.batch_size=2",
-        "train.warmup_steps=0",
-        "train.learning_rate=1e-9",  # tiny steps: the weights stay the checkpoint's
-        "train.min_lr=1e-9",
-        "train.max_steps=2",
-        "train.eval_interval=2",
-        "train.eval_steps=1",
-    )
+    argv = finetune_argv(directory, corpus, run)
+    code, _, err = run_cli(capsys, *argv, *FINETUNE_SETTINGS, "train.max_steps=2")
     assert code == 0, err
     saved = json.loads((run / "config.json").read_text())["model"]
     assert (saved["norm"], saved["mlp"], saved["mlp_hidden"], saved["n_embd"]) == (
@@ -406,19 +392,11 @@ def test_export_loads_in_transformers_with_our_logits_tokens_and_greedy_text(
     ours = np.asarray(forward(model, jnp.asarray(ids, jnp.int32)))
     np.testing.assert_allclose(ours, torch_logits(hf, theirs, ids), atol=1e-4)
 
-    from model.decoding.generate import generate_all
-
+    same_greedy_text(hf, model, theirs, tokenizer, "the question")
     prompt = tokenizer.encode("the question")
-    mine = generate_all(model, prompt, max_new_tokens=10, temperature=0.0)[0].tolist()
-    eot = tokenizer.token_to_id(EOT)
     with torch.no_grad():
-        greedy = theirs.generate(
-            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=eot
-        )[0, len(prompt) :].tolist()
         torch.manual_seed(0)
         sampled = theirs.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=True)
-    mine = mine[: mine.index(eot) + 1] if eot in mine else mine  # both stop at EOT
-    assert greedy == mine
     assert sampled.shape[1] > len(prompt)  # transformers samples it too
 
     # and back in: --init-from the export gives the run's logits

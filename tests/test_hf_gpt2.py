@@ -216,6 +216,25 @@ def test_logits_equal_transformers_gpt2(hf, bpe, tmp_path, config):
     np.testing.assert_allclose(forward(model, jnp.asarray(ids, jnp.int32)), theirs, atol=1e-4)
 
 
+def finetune_argv(directory, corpus, run) -> list:
+    """`--train --init-from DIR` on `corpus` into `run` (the char config's model section is
+    replaced by the checkpoint's)."""
+    argv = ["--train", "--config", "shakespeare_char", "--init-from", directory]
+    return [*argv, "--input", corpus, "--out", run]
+
+
+# A fine-tuning of a few tiny steps: the weights stay the checkpoint's to float noise.
+FINETUNE_SETTINGS = [
+    "train.batch_size=2",
+    "train.warmup_steps=0",
+    "train.learning_rate=1e-9",
+    "train.min_lr=1e-9",
+    "train.eval_interval=2",
+    "train.eval_steps=1",
+    "train.log_interval=1",
+]
+
+
 def greedy_from(capsys, directory, out_dir, prompt: str, new_tokens: int = 12):
     """(exit code, stdout, stderr) of `--inference --init-from DIR` at temperature 0."""
     argv = ["--inference", "--init-from", directory, "--out", out_dir, "--prompt", prompt]
@@ -297,26 +316,7 @@ def test_finetune_from_gpt2_then_resume_and_sample_the_run(
 ):
     directory, reference = gpt2_dir
     run = tmp_path / "run"
-    train = [
-        "--train",
-        "--config",
-        "shakespeare_char",  # its model section is replaced by the checkpoint's
-        "--init-from",
-        directory,
-        "--input",
-        corpus,
-        "--out",
-        run,
-    ]
-    settings = [
-        "train.batch_size=2",
-        "train.warmup_steps=0",
-        "train.learning_rate=1e-9",  # tiny steps: the weights stay GPT-2's to float noise
-        "train.min_lr=1e-9",
-        "train.eval_interval=2",
-        "train.eval_steps=1",
-        "train.log_interval=1",
-    ]
+    train, settings = finetune_argv(directory, corpus, run), FINETUNE_SETTINGS
     code, _, err = run_cli(capsys, *train, *settings, "train.max_steps=2")
     assert code == 0, err
     saved = json.loads((run / "config.json").read_text())
@@ -377,7 +377,7 @@ def trained_run(request, corpus, tmp_path_factory):
 
 
 def test_export_loads_in_transformers_with_our_logits_and_greedy_text(hf, trained_run, tmp_path):
-    torch, transformers = hf
+    _, transformers = hf
     out, _ = export_run(trained_run, tmp_path / "hf")
     assert {p.name for p in out.iterdir()} >= {
         "config.json",
@@ -400,18 +400,25 @@ def test_export_loads_in_transformers_with_our_logits_and_greedy_text(hf, traine
         atol=1e-4,
     )
 
+    greedy = same_greedy_text(hf, model, theirs, tokenizer, "the question")
+    assert their_tokenizer.decode(greedy) == tokenizer.decode(greedy)
+
+
+def same_greedy_text(hf, model, theirs, tokenizer, prompt_text: str) -> list[int]:
+    """Assert that 10 greedy tokens of ours and of transformers' `generate` are the same (both
+    stop at the end-of-text token); return them."""
+    torch, _ = hf
     from model.decoding.generate import generate_all
 
-    prompt = tokenizer.encode("the question")
+    prompt = tokenizer.encode(prompt_text)
     ours = generate_all(model, prompt, max_new_tokens=10, temperature=0.0)[0].tolist()
     eot = tokenizer.token_to_id(EOT)
     with torch.no_grad():
         greedy = theirs.generate(
             torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=eot
         )[0, len(prompt) :].tolist()
-    ours = ours[: ours.index(eot) + 1] if eot in ours else ours  # both stop at EOT
-    assert their_tokenizer.decode(greedy) == tokenizer.decode(ours)
-    assert greedy == ours
+    assert greedy == (ours[: ours.index(eot) + 1] if eot in ours else ours)
+    return greedy
 
 
 def test_export_loads_in_transformers_from_tokenizer_json_alone(hf, trained_run, tmp_path):
