@@ -335,6 +335,8 @@ def test_fine_tune_a_llama_checkpoint_then_sample_the_run(hf, llama_dir, corpus,
 # -- Llama and Qwen3 out: runs trained here, loaded by transformers ---------------------------
 
 EXPORTS = {
+    # GPT-2's layers with GPT-4's regex: tokenizer.json's Split, no GPT2Tokenizer files
+    "gpt2-gpt4-pattern": (GPT2, ["tokenizer.pattern=gpt4"]),
     "llama-gpt4-pattern": (LLAMA, [*LLAMA_LAYERS, "tokenizer.pattern=gpt4"]),
     "llama-biases-tied": (LLAMA, [*LLAMA_LAYERS, "model.bias=true", "model.tie_embeddings=true"]),
     "qwen3-untied-wide-heads": (
@@ -351,7 +353,7 @@ EXPORTS = {
 
 @pytest.fixture(scope="module", params=list(EXPORTS))
 def modern_run(request, corpus, tmp_path_factory):
-    """A tiny BPE run of the demo's config (Muon) with Llama's or Qwen3's layers."""
+    """A tiny BPE run of the demo's config (Muon) with GPT-2's, Llama's or Qwen3's layers."""
     family, layers = EXPORTS[request.param]
     run = tmp_path_factory.mktemp("run") / request.param
     argv = ["--tokenize", "--train", "--config", "shakespeare", "--input", str(corpus)]
@@ -373,7 +375,7 @@ def test_export_loads_in_transformers_with_our_logits_tokens_and_greedy_text(
     names = {p.name for p in out.iterdir()}
     assert names >= {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"}
     tokenizer, model, _ = open_trained_run(run).load()
-    legacy = family is QWEN3 and tokenizer.pattern == PATTERNS["gpt2"]
+    legacy = family is not LLAMA and tokenizer.pattern == PATTERNS["gpt2"]
     assert ({"vocab.json", "merges.txt"} <= names) == legacy
     config = json.loads((out / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == (
