@@ -123,7 +123,7 @@ def _model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
     if cfg.init_from:
         from model.interop.hf_import import hf_model_config
 
-        return hf_model_config(cfg.init_from, cfg.model)
+        return hf_model_config(cfg.init_from, cfg.model, tokenizer)  # the checkpoint's, saved
     return cfg.model.for_vocab(tokenizer.vocab_size)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from model.interop.config_values import flag, integer, number
+from model.interop.families import Family
 from model.network.config import ModelConfig
 from plumbing.errors import UsageError
 
@@ -38,7 +39,7 @@ HF_OF_GELU = {"tanh": "gelu_new", "exact": "gelu"}
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
-def model_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
+def model_config(hf: dict[str, Any], base: ModelConfig, family: Family) -> ModelConfig:
     """ModelConfig of a GPT2Config dict. Dropout, compute dtype and attention come from
     `base` (how to run it); everything else from the checkpoint (what it is)."""
 
@@ -83,7 +84,7 @@ def model_config(hf: dict[str, Any], base: ModelConfig) -> ModelConfig:
     ).validate()
 
 
-def hf_config(cfg: ModelConfig, eot_id: int | None) -> dict[str, Any]:
+def hf_config(cfg: ModelConfig, family: Family, eot_id: int | None) -> dict[str, Any]:
     """GPT2Config (as config.json) of one of our models that GPT-2's family holds."""
     return {
         "model_type": "gpt2",
@@ -136,7 +137,9 @@ def canonical(tensors: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def expected_shapes(hf: dict[str, Any], ours: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
+def expected_shapes(
+    hf: dict[str, Any], cfg: ModelConfig, ours: dict[str, tuple[int, ...]]
+) -> dict[str, tuple]:
     """Safetensors key -> shape that a GPT-2 file of the model with params `ours` holds."""
     expected = {}
     for path, shape in ours.items():

@@ -84,9 +84,7 @@ def model_config_from_hf(
     `base` (how to run it); everything else from the checkpoint (what it is)."""
     base = base or ModelConfig()
     try:
-        if family is GPT2:
-            return gpt2_layout.model_config(hf, base)
-        return llama_layout.model_config(hf, base, family)
+        return _layout(family).model_config(hf, base, family)
     except UsageError:
         raise
     except (TypeError, ValueError, AttributeError) as err:  # a value of the wrong JSON type
@@ -95,12 +93,11 @@ def model_config_from_hf(
 
 def hf_config_of(cfg: ModelConfig, family: Family, eot_id: int | None) -> dict[str, Any]:
     """config.json of one of our models in a family that holds it (families.family_for)."""
-    if family is GPT2:
-        return gpt2_layout.hf_config(cfg, eot_id)
-    return llama_layout.hf_config(cfg, family, eot_id)
+    return _layout(family).hf_config(cfg, family, eot_id)
 
 
 def _layout(family: Family):
+    """The module that maps a family's config.json and tensors; both have the same functions."""
     return gpt2_layout if family is GPT2 else llama_layout
 
 
@@ -116,9 +113,7 @@ def expected_tensors(
     family: Family, hf: dict[str, Any], cfg: ModelConfig, params_like: Any
 ) -> dict[str, tuple[int, ...]]:
     """Safetensors key -> shape that a family's file of this model must hold."""
-    if family is GPT2:
-        return gpt2_layout.expected_shapes(hf, flat_shapes(params_like))
-    return llama_layout.expected_shapes(hf, cfg)
+    return _layout(family).expected_shapes(hf, cfg, flat_shapes(params_like))
 
 
 def vocab_tensors(family: Family) -> tuple[str, ...]:
@@ -128,7 +123,7 @@ def vocab_tensors(family: Family) -> tuple[str, ...]:
 
 def canonical(family: Family, tensors: dict[str, Any]) -> dict[str, Any]:
     """A file's tensors under the names its family's model class saves them with."""
-    return gpt2_layout.canonical(tensors) if family is GPT2 else dict(tensors)
+    return _layout(family).canonical(tensors)
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:

@@ -32,6 +32,7 @@ from model.interop.hf_format import (
     canonical,
     check_tensor_shapes,
     expected_tensors,
+    flat_shapes,
     model_config_from_hf,
     params_from_hf,
     read_hf_config,
@@ -80,33 +81,43 @@ def resolve_hf_dir(name: str) -> Path:
     return Path(fetched)
 
 
-def hf_model_config(name: str, base: ModelConfig | None = None) -> ModelConfig:
-    """ModelConfig of a checkpoint directory or hub id (config.json, and the tokenizer's size:
-    see `_fit_vocab`)."""
+@dataclasses.dataclass(frozen=True)
+class _Checkpoint:
+    """A checkpoint directory's config, read and checked once: its family, config.json and
+    ModelConfig, both with the vocabulary fitted to the tokenizer's (`_fit_vocab`)."""
+
+    directory: Path
+    family: Family
+    hf: dict
+    model_cfg: ModelConfig
+
+
+def _open(name: str, base: ModelConfig | None, tokenizer: BPETokenizer) -> _Checkpoint:
     directory = resolve_hf_dir(name)
-    _, hf, model_cfg = _read_config(directory, base)
-    return _fit_vocab(hf, model_cfg, load_hf_tokenizer(str(directory)))[1]
-
-
-def _read_config(directory: Path, base: ModelConfig | None) -> tuple[Family, dict, ModelConfig]:
     family, hf = read_hf_config(directory)
-    return family, hf, model_config_from_hf(hf, base, family)
+    hf, model_cfg = _fit_vocab(hf, model_config_from_hf(hf, base, family), tokenizer.vocab_size)
+    return _Checkpoint(directory, family, hf, model_cfg)
 
 
-def _fit_vocab(
-    hf: dict, model_cfg: ModelConfig, tokenizer: BPETokenizer
-) -> tuple[dict, ModelConfig]:
-    """(config.json, ModelConfig) with the vocabulary cut to the tokenizer's when config.json's
-    is larger (Qwen3 pads 151,669 tokens to 151,936 rows): rows no token can be are never
-    sampled, and the logits of the others are the checkpoint's. UsageError when the tokenizer
-    has more tokens than the model."""
-    if tokenizer.vocab_size > model_cfg.vocab_size:
+def hf_model_config(
+    name: str, base: ModelConfig | None = None, tokenizer: BPETokenizer | None = None
+) -> ModelConfig:
+    """ModelConfig of a checkpoint directory or hub id: config.json, with the vocabulary of
+    `tokenizer` (the checkpoint's own, read when not given; see `_fit_vocab`)."""
+    return _open(name, base, tokenizer or load_hf_tokenizer(name)).model_cfg
+
+
+def _fit_vocab(hf: dict, model_cfg: ModelConfig, tokens: int) -> tuple[dict, ModelConfig]:
+    """(config.json, ModelConfig) with the vocabulary cut to the tokenizer's `tokens` when
+    config.json's is larger (Qwen3 pads 151,669 tokens to 151,936 rows): rows no token can be
+    are never sampled, and the logits of the others are the checkpoint's. UsageError when the
+    tokenizer has more tokens than the model."""
+    if tokens > model_cfg.vocab_size:
         raise UsageError(
-            f"the checkpoint's tokenizer has {tokenizer.vocab_size} tokens, the model only "
+            f"the checkpoint's tokenizer has {tokens} tokens, the model only "
             f"{model_cfg.vocab_size} (config.json vocab_size)"
         )
-    fitted = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
-    return {**hf, "vocab_size": tokenizer.vocab_size}, fitted
+    return {**hf, "vocab_size": tokens}, dataclasses.replace(model_cfg, vocab_size=tokens)
 
 
 def _cut_vocab(tensors: dict[str, Any], family: Family, rows: int) -> dict[str, Any]:
@@ -138,13 +149,20 @@ def load_hf_tokenizer(name: str) -> BPETokenizer:
 
 
 def load_hf_params(name: str, params_like: Any, base: ModelConfig | None = None) -> Any:
-    """The checkpoint's weights shaped (and placed) like `params_like`, e.g. a Trainer's."""
+    """The checkpoint's weights shaped (and placed) like `params_like`, e.g. a Trainer's built
+    from `hf_model_config`: its embedding's rows are the vocabulary kept."""
     directory = resolve_hf_dir(name)
-    require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
-    family, hf, model_cfg = _read_config(directory, base)
-    hf, model_cfg = _fit_vocab(hf, model_cfg, load_hf_tokenizer(str(directory)))
-    tensors = _cut_vocab(read_safetensors(directory / WEIGHTS), family, model_cfg.vocab_size)
-    return params_from_hf(tensors, family, hf, model_cfg, params_like, directory / WEIGHTS)
+    require_files(directory, (CONFIG_JSON, WEIGHTS))
+    tokens = flat_shapes(params_like)["wte/embedding"][0]
+    family, hf = read_hf_config(directory)
+    hf, model_cfg = _fit_vocab(hf, model_config_from_hf(hf, base, family), tokens)
+    return _read_params(_Checkpoint(directory, family, hf, model_cfg), params_like)
+
+
+def _read_params(checkpoint: _Checkpoint, params_like: Any) -> Any:
+    path, family = checkpoint.directory / WEIGHTS, checkpoint.family
+    tensors = _cut_vocab(read_safetensors(path), family, checkpoint.model_cfg.vocab_size)
+    return params_from_hf(tensors, family, checkpoint.hf, checkpoint.model_cfg, params_like, path)
 
 
 def load_hf_model(name: str, base: ModelConfig | None = None) -> tuple[BPETokenizer, GPT]:
@@ -152,11 +170,9 @@ def load_hf_model(name: str, base: ModelConfig | None = None) -> tuple[BPETokeni
     directory = resolve_hf_dir(name)
     require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
     tokenizer = load_hf_tokenizer(str(directory))
-    _, hf, model_cfg = _read_config(directory, base)
-    model_cfg = _fit_vocab(hf, model_cfg, tokenizer)[1]
-    graphdef, abstract, rest = abstract_model(model_cfg)
-    params = load_hf_params(str(directory), abstract, base)
-    return tokenizer, nnx.merge(graphdef, params, rest)
+    checkpoint = _open(str(directory), base, tokenizer)
+    graphdef, abstract, rest = abstract_model(checkpoint.model_cfg)
+    return tokenizer, nnx.merge(graphdef, _read_params(checkpoint, abstract), rest)
 
 
 def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) -> None:
@@ -169,8 +185,8 @@ def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) ->
     directory = resolve_hf_dir(name)
     require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
     tokenizer = load_hf_tokenizer(str(directory))
-    family, hf, model_cfg = _read_config(directory, base)
-    hf, model_cfg = _fit_vocab(hf, model_cfg, tokenizer)
+    checkpoint = _open(str(directory), base, tokenizer)
+    family, hf, model_cfg = checkpoint.family, checkpoint.hf, checkpoint.model_cfg
     try:
         with safe_open(str(directory / WEIGHTS), framework="np") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118

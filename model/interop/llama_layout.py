@@ -150,7 +150,9 @@ def hf_config(cfg: ModelConfig, family: Family, eot_id: int | None) -> dict[str,
     return config
 
 
-def expected_shapes(hf: dict[str, Any], cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(
+    hf: dict[str, Any], cfg: ModelConfig, ours: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
     """Safetensors key -> shape that a file of this config holds (lm_head.weight only untied)."""
     d, f, v, dh, a = cfg.n_embd, cfg.mlp_width, cfg.vocab_size, cfg.head_dim, cfg.attn_width
     kv = kv_heads(hf) * dh
@@ -175,6 +177,11 @@ def expected_shapes(hf: dict[str, Any], cfg: ModelConfig) -> dict[str, tuple[int
             layer[mlp + "down_proj.bias"] = (d,)
         shapes.update(layer)
     return shapes
+
+
+def canonical(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Keys as LlamaForCausalLM / Qwen3ForCausalLM save them: already so."""
+    return dict(tensors)
 
 
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # a row per token
