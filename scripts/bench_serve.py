@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import platform
 import re
 import signal
 import statistics
@@ -59,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 from plumbing.atomic import write_atomic
 from plumbing.cli import OneLineParser, one_line_errors
 from plumbing.errors import UsageError
+from plumbing.machine import machine_facts, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"serve: ready on (http://\S+)")
@@ -314,29 +313,6 @@ def inference_rate(args, run: str) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else what platform says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def machine_facts() -> dict:
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": usable,
-        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "platform": platform.platform(),
-        "cpu_model": cpu_model(),
-        "python": platform.python_version(),
-    }
-
-
 def seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -344,12 +320,7 @@ def seconds(value: float | None) -> str:
 def report(args, url: str, machine: dict, model: dict, result: dict) -> None:
     server = result["server"]
     print(f"command: python {' '.join(sys.argv)}")
-    print(
-        f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs "
-        f"({machine['cpus_usable']} usable), load average "
-        f"{machine['load_average_1m']:.2f} at start, {machine['platform']}, "
-        f"python {machine['python']}"
-    )
+    print(machine_line(machine))
     if model:
         print(
             f"model: {server['model']}, {model['params'] / 1e6:.2f}M params"

@@ -27,6 +27,7 @@ numpy in --torch-python's environment. Nothing of it is copied into this reposit
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import statistics
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +44,7 @@ sys.path.insert(0, str(ROOT))  # run from a clone, uninstalled
 from bench_train import NANOGPT_ARGS  # noqa: E402  (this script's folder is on sys.path)
 
 from plumbing.cli import OneLineParser  # noqa: E402
+from plumbing.machine import machine_line  # noqa: E402
 
 FAST_CONFIG = ROOT / "configs" / "shakespeare_char_fast.toml"
 # nanoGPT README's CPU command (scripts/bench_train.py keeps it), to the end, with 200 eval
@@ -100,16 +103,29 @@ def run_nanogpt(nanogpt: Path, python: str, text: Path) -> dict:
     return {"seconds": seconds, "val_loss": float(losses[-1][1])}
 
 
-def run_tinyllm(config: Path, text: Path, overrides: list[str]) -> dict:
-    """`tinyllm.py --tokenize --train` on `text` in a fresh run directory."""
+def run_tinyllm(config: Path, text: Path, overrides: list[str], cores: list[int] | None = None):
+    """`tinyllm.py --tokenize --train` on `text` in a fresh run directory; with `cores`, the
+    process is pinned to those CPUs (and sees only them)."""
     with tempfile.TemporaryDirectory(prefix="tinyllm-") as scratch:
         out = Path(scratch) / "run"
         command = [sys.executable, str(ROOT / "tinyllm.py"), "--tokenize", "--train"]
         command += ["--config", str(config), "--input", str(text), "--out", str(out)]
+        if cores:
+            command = ["taskset", "-c", ",".join(map(str, cores)), *command]
         seconds, log = timed(command + overrides, ROOT)
-        evals = [r for r in map(json.loads, (out / "metrics.jsonl").open()) if "val_loss" in r]
-    spent = re.findall(r"train: time spent: (.*)", log)
-    return {"seconds": seconds, "val_loss": evals[-1]["val_loss"], "spent": spent[-1:]}
+        records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    evals = [r for r in records if "val_loss" in r]
+    steps = max(r["step"] for r in records)
+    spent = re.findall(r"train: time spent: (.*)", log)[-1]
+    # Seconds per step after the first (which compiles): what equal wall time scales by.
+    other = float(re.search(r"other steps ([\d.]+) s", spent).group(1))
+    return {
+        "seconds": seconds,
+        "val_loss": evals[-1]["val_loss"],
+        "spent": spent,
+        "step_s": other / max(steps - 1, 1),
+        "steps": steps,
+    }
 
 
 def compare(args) -> None:
@@ -120,28 +136,68 @@ def compare(args) -> None:
         ratio = ours["seconds"] / nano["seconds"]
         reached = "yes" if ours["val_loss"] <= nano["val_loss"] else "no"
         rows.append(
-            f"| {text.name} | {nano['val_loss']:.4f} in {nano['seconds']:.0f} s | "
+            f"| {text.name} | {nano['val_loss']:.4f} in {nano['seconds']:.1f} s | "
             f"{ours['val_loss']:.4f} in {ours['seconds']:.1f} s | {ratio:.2f}x | {reached} |"
         )
-        print(f"{text.name}: tinyllm {' '.join(ours['spent'])}", file=sys.stderr)
-    print(f"\n| text | nanoGPT, 2000 iterations | tinyllm, {args.config.name} | time | loss "
+        print(f"{text.name}: tinyllm time spent: {ours['spent']}", file=sys.stderr, flush=True)
+    print(f"\n{machine_line()}")
+    print(f"| text | nanoGPT, 2000 iterations | tinyllm, {args.config.name} | time | loss "
           "at or below nanoGPT's |")  # fmt: skip
     print("|---|---|---|---|---|")
     print("\n".join(rows))
 
 
-def ablate(args) -> None:
-    text = args.input[0]
-    print(f"\n{args.config.name} on {text.name}, median of {args.seeds} seeds")
-    print("\n| variant | val loss | wall time |\n|---|---|---|")
-    for name, overrides in ABLATIONS:
-        runs = [
-            run_tinyllm(args.config, text, [*overrides, f"train.seed={1337 + i}", *args.overrides])
-            for i in range(args.seeds)
+def run_seeds(args, text: Path, overrides: list[str]) -> list[dict]:
+    """One run per seed, `args.jobs` at a time, each job pinned to its own cores."""
+    seeds = [f"train.seed={1337 + i}" for i in range(args.seeds)]
+    if args.jobs <= 1:
+        return [run_tinyllm(args.config, text, [*overrides, s, *args.overrides]) for s in seeds]
+    cores = sorted(os.sched_getaffinity(0))
+    per_job = len(cores) // args.jobs
+    slots = [cores[i * per_job : (i + 1) * per_job] for i in range(args.jobs)]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = [
+            pool.submit(run_tinyllm, args.config, text, [*overrides, s, *args.overrides], slots[i])
+            for i, s in enumerate(seeds)
         ]
+        return [f.result() for f in futures]
+
+
+def ablate(args) -> None:
+    """Each variant at the fast config's steps, and at its wall time: the steps that the
+    variant's own step time fits into the fast config's training time (the same runs when
+    the step times are within 3%)."""
+    text = args.input[0]
+    base_steps = _config_steps(args.config, args.overrides)
+    jobs = f", {args.jobs} runs at a time on their own cores" if args.jobs > 1 else ""
+    print(machine_line())
+    print(f"{args.config.name} on {text.name}, median of {args.seeds} seeds{jobs}")
+    print("\n| variant | val loss, equal steps | step time | steps in equal time | val loss, "
+          "equal time | wall time |\n|---|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
+    base_step_s = None
+    for name, overrides in ABLATIONS:
+        runs = run_seeds(args, text, overrides)
+        step_s = statistics.median(r["step_s"] for r in runs)
+        base_step_s = base_step_s or step_s  # the first variant is the fast config itself
         loss = statistics.median(r["val_loss"] for r in runs)
+        steps = round(base_steps * base_step_s / step_s)
+        if abs(steps - base_steps) > 0.03 * base_steps:
+            at = [f"train.max_steps={steps}", f"train.eval_interval={steps}"]
+            timed_loss = statistics.median(
+                r["val_loss"] for r in run_seeds(args, text, [*overrides, *at])
+            )
+        else:
+            steps, timed_loss = base_steps, loss
         seconds = statistics.median(r["seconds"] for r in runs)
-        print(f"| {name} | {loss:.4f} | {seconds:.1f} s |", flush=True)
+        print(f"| {name} | {loss:.4f} | {step_s * 1e3:.1f} ms | {steps} | {timed_loss:.4f} | "
+              f"{seconds:.1f} s |", flush=True)  # fmt: skip
+
+
+def _config_steps(config: Path, overrides: list[str]) -> int:
+    """train.max_steps of `config` with `overrides`."""
+    from configs.schema import load_config
+
+    return load_config(config, overrides).train.max_steps
 
 
 def main() -> None:
@@ -152,6 +208,8 @@ def main() -> None:
     p.add_argument("--torch-python", default=sys.executable, help="a Python with PyTorch")
     p.add_argument("--ablate", action="store_true", help="undo each recipe option in turn")
     p.add_argument("--seeds", type=int, default=3, help="seeds per ablation variant")
+    p.add_argument("--jobs", type=int, default=1, help="ablation runs at a time, each pinned "
+                   "to its share of the cores (a many-core machine; 1 on a small one)")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="key=value for tinyllm, as for --train")
     args = p.parse_args()
     for text in args.input:
