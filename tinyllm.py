@@ -9,8 +9,10 @@
 Stages run in the order tokenize -> train -> inference, each finding what the one before left
 in the run directory (`--out`, default runs/<config name>). Trailing `key=value` pairs override
 config values by dotted name; `--input` (and `--special-tokens`) take items up to the first
-such pair, so both orders work. User mistakes, damaged files and filesystem errors (a
-read-only or full disk) print one line on stderr and exit with code 2.
+such pair, so both orders work. The command line wins over the config file: a flag is a
+shorthand for a key=value pair, and a flag and a pair that set one key to different values are
+refused (docs/cli.md). User mistakes, damaged files and filesystem errors (a read-only or full
+disk) print one line on stderr and exit with code 2.
 """
 
 from __future__ import annotations
@@ -19,11 +21,19 @@ import argparse
 import contextlib
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
-from configs.schema import DEFAULT_CONFIG, resolve_config_path
+from configs.schema import (
+    DEFAULT_CONFIG,
+    Config,
+    load_config,
+    parse_override,
+    resolve_config_path,
+)
 from plumbing.cli import (
     OneLineParser,
     is_out_of_memory,
@@ -32,6 +42,7 @@ from plumbing.cli import (
     quiet_background_errors,
     show_debug_log,
 )
+from plumbing.errors import UsageError
 from plumbing.progress import clear_line
 
 ROOT = Path(__file__).resolve().parent
@@ -43,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tinyllm.py",
         description="Train a byte-level BPE tokenizer, fit a GPT, sample text.",
         epilog="Trailing key=value pairs override config values, e.g. model.n_layer=4 "
-        "train.max_steps=200.",
+        "train.max_steps=200. The command line wins over the config file (--input replaces "
+        "a config's dataset); a flag and a key=value pair that disagree are refused.",
     )
     stages = p.add_argument_group("stages (combine them; they run in this order)")
     stages.add_argument("--tokenize", action="store_true", help="train the tokenizer")
@@ -181,6 +193,50 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     for item in args.overrides:
         if "=" not in item:
             return f"unexpected argument {item!r}: overrides are key=value"
+    try:
+        return settings_conflict(command_line_settings(args))
+    except UsageError as err:  # an override with no key (`=3`)
+        return str(err)
+
+
+class Setting(NamedTuple):
+    """One config value the command line sets."""
+
+    key: str  # dotted config key: data.input
+    value: object
+    typed: str  # as the user typed it: `--input my.txt` or `data.input=["my.txt"]`
+    flag: bool  # a shorthand flag, not a key=value pair
+
+
+def command_line_settings(args: argparse.Namespace) -> list[Setting]:
+    """Every config value the command line sets: the shorthand flags, then the key=value
+    pairs in their order (a later pair wins over an earlier one)."""
+    settings = []
+    for dest, key in SHORTHANDS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            flag = "--" + dest.replace("_", "-")
+            items = value if isinstance(value, list) else [value]
+            settings.append(Setting(key, value, shlex.join([flag, *map(str, items)]), True))
+    if args.no_kv_cache:
+        settings.append(Setting("sample.kv_cache", False, "--no-kv-cache", True))
+    for item in args.overrides:
+        key, value = parse_override(item)
+        settings.append(Setting(key, value, item, False))
+    return settings
+
+
+def settings_conflict(settings: list[Setting]) -> str | None:
+    """Two things on one command line that disagree, or None: a flag and a key=value pair
+    that set one key to different values (argparse keeps no order between them to let the
+    later win), or both sources of training text (--input and --dataset)."""
+    final = {s.key: s for s in settings}  # the last pair of a key, else its flag
+    for flag in (s for s in settings if s.flag):
+        if final[flag.key].value != flag.value:
+            return f"{flag.typed} and {final[flag.key].typed} both set {flag.key}: give one"
+    sources = [final[key] for key in ("data.input", "data.dataset") if key in final]
+    if len(sources) == 2 and all(s.value for s in sources):
+        return f"{sources[0].typed} and {sources[1].typed} both name the training text: give one"
     return None
 
 
@@ -192,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Imported late so that --help and flag errors answer at once, without loading JAX.
     from model.training.errors import TrainingDiverged
-    from plumbing.errors import UsageError
     from plumbing.signals import Stopped, raise_on_sigterm
 
     raise_on_sigterm()  # SIGTERM unwinds like Ctrl-C: temp files are removed on the way out
@@ -272,16 +327,24 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
 
 
-def run(args: argparse.Namespace) -> int:
-    from configs.schema import load_config
+def command_line_config(args: argparse.Namespace) -> Config:
+    """The config file with the command line's settings on top: the command line wins
+    (argument_problem has refused a flag and a key=value pair that disagree). Where --input or
+    --dataset drops the file's other source of text, one line on stderr says so."""
+    settings = command_line_settings(args)
+    typed = {s.key: s.typed for s in settings}
 
-    # Flags win over the config file; explicit key=value pairs win over flags.
-    flags = [
-        (key, getattr(args, f)) for f, key in SHORTHANDS.items() if getattr(args, f) is not None
-    ]
-    cfg = load_config(resolve_config_path(args.config), flags + list(args.overrides))
-    if args.no_kv_cache:
-        cfg.sample.kv_cache = False
+    def say_replaced(key: str, file_key: str, file_value) -> None:
+        shown = " ".join(map(str, file_value)) if isinstance(file_value, list) else file_value
+        line = f"config: {typed[key]} replaces the config's {file_key.rpartition('.')[2]} {shown}"
+        print(printable(line), file=sys.stderr)
+
+    pairs = [(s.key, s.value) for s in settings]
+    return load_config(resolve_config_path(args.config), pairs, on_replace=say_replaced)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = command_line_config(args)
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
     from model.processes.distributed import check_single_process_stages, multi_process_requested
 
@@ -317,8 +380,6 @@ def run(args: argparse.Namespace) -> int:
         enable_compilation_cache()
 
     if args.tokenize and cfg.init_from:
-        from plumbing.errors import UsageError
-
         raise UsageError("--init-from brings the checkpoint's own tokenizer: drop --tokenize")
     if args.tokenize or args.train:
         with run_dir_lock(run_dir):  # released before --inference, which only reads

@@ -6,7 +6,9 @@ tokenizer/config.py, `[train]` model/training/config.py, `[sample]` model/decodi
 `[serve]` model/serving/config.py.
 A TOML table fills one (plumbing/typed_data.py): an unknown key is an error, and every value
 is checked against the field's type. Overrides use the same dotted names as the TOML
-(`model.n_layer=4 train.max_steps=200`).
+(`model.n_layer=4 train.max_steps=200`), and an override wins over the file: one that says where
+the text comes from (`data.input`, `data.dataset`) also drops the file's other source
+(`ALTERNATIVES`), so `--input my.txt` trains on the file with a config that names a dataset.
 
     >>> cfg = load_config("configs/shakespeare_char.toml", ["train.max_steps=10"])  # doctest: +SKIP
     >>> cfg.train.max_steps
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,18 +77,36 @@ def resolve_config_path(name: str | None) -> Path:
     return path
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str | tuple[str, Any]] = ()) -> Config:
+# Keys that say the same thing two ways (where the training text comes from): an override that
+# sets one drops the config file's other, rather than leaving two corpora to refuse.
+ALTERNATIVES = {"data.input": "data.dataset", "data.dataset": "data.input"}
+
+# Hears of each config-file value an override dropped: (override's key, file's key, file value).
+OnReplace = Callable[[str, str, Any], None]
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: Sequence[str | tuple[str, Any]] = (),
+    on_replace: OnReplace | None = None,
+) -> Config:
     """Read a TOML config (or the defaults when `path` is None), apply overrides, validate.
 
-    An override is a `"key=value"` string or an already parsed `(key, value)` pair; later ones
-    win.
+    An override is a `"key=value"` string or an already parsed `(key, value)` pair; it wins
+    over the file, and later ones win over earlier ones. A non-empty override of a key in
+    ALTERNATIVES removes the file's value of the other key, and `on_replace` hears of it.
     """
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_toml(Path(path))
         raw.setdefault("name", Path(path).stem)
-    for item in overrides:
-        key, value = parse_override(item) if isinstance(item, str) else item
+    pairs = [parse_override(item) if isinstance(item, str) else item for item in overrides]
+    for key, value in pairs:  # before any override is applied: only the file's values drop
+        other = ALTERNATIVES.get(key)
+        dropped = _pop_dotted(raw, other) if other and value else None
+        if dropped and on_replace is not None:
+            on_replace(key, other, dropped)
+    for key, value in pairs:
         _set_dotted(raw, key, value)
     return config_from_dict(raw).validate()
 
@@ -127,3 +147,14 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
             raise UsageError(f"unknown config key {key!r}: {part!r} is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _pop_dotted(raw: dict[str, Any], key: str) -> Any:
+    """Remove `key` (dotted) from nested `raw` and return its value; None where it is not set."""
+    *sections, last = key.split(".")
+    node = raw
+    for part in sections:
+        node = node.get(part)
+        if not isinstance(node, dict):
+            return None
+    return node.pop(last, None)

@@ -1,7 +1,10 @@
 """Command lines that answer a user's mistake in one line: `NAME: error: WHAT (fix)`, exit 2.
 
-`tinyllm.py` and every script parse their arguments with `OneLineParser`, and report user
-errors (`UsageError`) and filesystem refusals (a full or read-only disk) with `one_line_errors`.
+`tinyllm.py` and every script parse their arguments with `OneLineParser`. The scripts report
+user errors (`UsageError`) and filesystem refusals (a full or read-only disk) with
+`one_line_errors`; `tinyllm.py` catches them in its own `main()`, which returns its exit code
+(several processes must exit without waiting for their peers) and tells more cases apart (a
+diverged run, a signal, out of memory), and writes the same lines (`printable`, `os_error_line`).
 
     >>> parser = OneLineParser(prog="quantize.py")
     >>> _ = parser.add_argument("--bits", type=int, required=True)

@@ -64,6 +64,11 @@ class DataConfig:
         """Raise UsageError naming the first bad value; return self if all are good."""
         if not 0 < self.val_fraction < 1:
             raise UsageError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.input and self.dataset:
+            raise UsageError(
+                "data.input and data.dataset both name the training text: set one "
+                "(--input or --dataset on the command line replaces the config file's)"
+            )
         for name in self.input:
             checks.file_name("data.input", name)
         if self.dataset:
