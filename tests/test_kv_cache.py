@@ -34,8 +34,19 @@ VARIANTS = {
         attn_head_dim=24,
         mlp_hidden=40,
     ),
+    # Three blocks: value embeddings on blocks 0 and 2 (the decode path feeds each new token's
+    # id to them), a U-net skip from block 0 to block 2 around the unpaired middle block, and
+    # multi-token heads, which training alone uses.
     "modern-recipe": dict(
-        qk_norm=True, mlp="relu2", logit_softcap=15.0, x0_mixing=True, tie_embeddings=False
+        qk_norm=True,
+        mlp="relu2",
+        logit_softcap=15.0,
+        x0_mixing=True,
+        tie_embeddings=False,
+        value_embeddings=True,
+        unet_skips=True,
+        mtp_tokens=2,
+        n_layer=3,
     ),
 }
 GEN_BLOCK = 16  # generation tests: a context the sliding window must cross quickly

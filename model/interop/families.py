@@ -52,14 +52,24 @@ _MOE_DETAILS = (
     "moe_z_weight",
     "moe_capacity_factor",
 )
+# Does nothing without model.mtp_tokens, which every family refuses.
+_MTP_DETAILS = ("mtp_weight",)
 
 
 def _common(name: str) -> dict[str, Rule]:
-    """Rules every family shares: sizes carried, no experts, no cap, no residual mixing."""
-    rules: dict[str, Rule] = {f: anything for f in (*_CARRIED, *_INERT, *_MOE_DETAILS)}
+    """Rules every family shares: sizes carried, no experts, no cap, no residual mixing, no
+    value embeddings, U-net skips or multi-token heads."""
+    rules: dict[str, Rule] = {
+        f: anything for f in (*_CARRIED, *_INERT, *_MOE_DETAILS, *_MTP_DETAILS)
+    }
     rules["moe_experts"] = _equal("moe_experts", 0, f"{name} has no experts")
     rules["logit_softcap"] = _equal("logit_softcap", 0.0, f"{name} has no logit soft-capping")
     rules["x0_mixing"] = _equal("x0_mixing", False, f"{name} has no residual mixing with x0")
+    rules["value_embeddings"] = _equal("value_embeddings", False, f"{name} has no value embeddings")
+    rules["unet_skips"] = _equal("unet_skips", False, f"{name} has no U-net skip connections")
+    # The heads only train (the logits are the plain model's), but the family's checkpoint has
+    # no place for their weights: refused rather than silently dropped.
+    rules["mtp_tokens"] = _equal("mtp_tokens", 0, f"{name} has no multi-token prediction heads")
     return rules
 
 

@@ -112,6 +112,9 @@ def model_config(hf: dict[str, Any], base: ModelConfig, family: Family) -> Model
         qk_norm_weights=family is QWEN3,
         logit_softcap=0.0,
         x0_mixing=False,
+        value_embeddings=False,
+        unet_skips=False,
+        mtp_tokens=0,
     ).validate()
 
 

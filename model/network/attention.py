@@ -44,6 +44,7 @@ from model.network.config import ModelConfig
 from model.network.layers import linear
 from model.network.precision import mixed_product_precision
 from model.network.rope import apply_rope
+from model.network.value_embed import ValueEmbedding
 from plumbing.errors import UsageError
 
 LayerCache = dict[str, jax.Array]  # {"k": [B, S, H, Dh], "v": [B, S, H, Dh]}
@@ -233,9 +234,10 @@ def write_cache(slots_BxHxSxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT)
 
 
 class CausalSelfAttention(nnx.Module):
-    """Multi-head attention with fused qkv projection, as in GPT-2."""
+    """Multi-head attention with fused qkv projection, as in GPT-2; with `value_embed`, a
+    value-embedding table mixed into its values (model/network/value_embed.py)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, value_embed: bool = False, rngs: nnx.Rngs):
         self.n_head = cfg.n_head
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
@@ -251,6 +253,7 @@ class CausalSelfAttention(nnx.Module):
         self.attention = cfg.attention
         self.dtype_name = cfg.dtype
         self.resid_dropout = nnx.Dropout(cfg.dropout)
+        self.value_embed = ValueEmbedding(cfg, rngs=rngs) if value_embed else None
 
     def _attend_causal(self, q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, deterministic, rngs):
         """Attention over this call's own tokens (training, evaluation, a full forward)."""
@@ -278,10 +281,12 @@ class CausalSelfAttention(nnx.Module):
         positions_BxT: jax.Array,
         *,
         cache: LayerCache | None = None,
+        tokens_BxT: jax.Array | None = None,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         """Attend; with a cache, write this call's k/v at positions_T[0] and attend over it.
+        tokens_BxT: the ids of this call's tokens (needed with a value embedding).
 
         positions_BxT are the absolute positions of the T tokens (consecutive), [1, T] for
         every row alike or [B, 1] for a position per row (a serving batch's decode step). The
@@ -297,6 +302,8 @@ class CausalSelfAttention(nnx.Module):
         q_BxTxHxD = q.reshape(b, t, self.n_head, self.head_dim)
         k_BxTxHxD = k.reshape(b, t, self.n_head, self.head_dim)
         v_BxTxHxD = v.reshape(b, t, self.n_head, self.head_dim)
+        if self.value_embed is not None:  # before the cache write: decoding caches the mix
+            v_BxTxHxD = v_BxTxHxD + self.value_embed(tokens_BxT, x_BxTxD)
         if self.qk_norm_eps is not None:  # before RoPE, as modded-nanogpt (a rotation keeps norms)
             q_BxTxHxD = rms_normalize(q_BxTxHxD, self.qk_norm_eps)
             k_BxTxHxD = rms_normalize(k_BxTxHxD, self.qk_norm_eps)

@@ -77,6 +77,20 @@ class ModelConfig:
     # Each block's input becomes a*x + b*x0, x0 = the embedded tokens, with learned scalars
     # (a, b) per block starting at (1, 0): modded-nanogpt's residual mixing with the input.
     x0_mixing: bool = False
+    # Value embeddings (nanochat's ResFormer-style value residual): alternating blocks, the last
+    # included, get a token-embedding table of their own, mixed into the attention values as
+    # v + 2*sigmoid(gate) * table[token], the gate per head from the block's input.
+    value_embeddings: bool = False
+    # U-net skips (modded-nanogpt): the outputs of the first n_layer // 2 blocks are added, each
+    # with a learned scalar weight starting at 1, to the inputs of the mirrored blocks of the
+    # second half (block i to block n_layer-1-i; an odd count leaves the middle block unpaired).
+    unet_skips: bool = False
+    # Multi-token prediction (Gloeckle et al. 2024, DeepSeek-V3): in training, k extra heads
+    # (one Linear n_embd -> n_embd each, then the shared output layer) predict the tokens
+    # 2..k+1 ahead; 0 = off. Their mean cross-entropy times mtp_weight (DeepSeek-V3's 0.3)
+    # joins the objective; the logits, evaluation and decoding are the plain model's.
+    mtp_tokens: int = 0
+    mtp_weight: float = 0.3
     moe_experts: int = 0  # experts per MoE layer; 0 = dense MLP everywhere
     moe_top_k: int = 2  # experts each token is routed to (when moe_experts > 0)
     moe_every: int = 1  # an MoE MLP replaces the dense MLP in every k-th block
@@ -142,6 +156,23 @@ class ModelConfig:
         """How many blocks have an MoE MLP (every moe_every-th; none without experts)."""
         return self.n_layer // self.moe_every if self.moe_experts > 0 else 0
 
+    @property
+    def value_embedding_layers(self) -> tuple[int, ...]:
+        """Blocks with a value-embedding table: every other one, ending with the last
+        (nanochat's has_ve); none without model.value_embeddings.
+
+        >>> ModelConfig(n_layer=5, value_embeddings=True).value_embedding_layers
+        (0, 2, 4)
+        """
+        if not self.value_embeddings:
+            return ()
+        return tuple(i for i in range(self.n_layer) if i % 2 == (self.n_layer - 1) % 2)
+
+    @property
+    def n_unet_skips(self) -> int:
+        """U-net skip connections: n_layer // 2 with model.unet_skips (none for one block)."""
+        return self.n_layer // 2 if self.unet_skips else 0
+
     def approx_params(self) -> int:
         """Parameter count from the shapes alone (biases and norms included roughly), for
         size limits and memory estimates; no model is built.
@@ -158,7 +189,11 @@ class ModelConfig:
         mlps = (self.n_layer - n_moe) * mlp_widths * self.mlp_width * c
         mlps += n_moe * (self.moe_experts * expert + c * self.moe_experts)
         positions = self.block_size * c if self.position == "learned" else 0
-        return self.vocab_size * c + positions + self.n_layer * per_layer + mlps + 2 * c
+        # value-embedding tables and their gates, U-net skip weights, multi-token heads
+        value_embed = self.vocab_size * self.attn_width + c * self.n_head  # table + gate
+        extras = len(self.value_embedding_layers) * value_embed
+        extras += self.n_unet_skips + self.mtp_tokens * c * c
+        return self.vocab_size * c + positions + self.n_layer * per_layer + mlps + 2 * c + extras
 
     def for_vocab(self, vocab_size: int) -> ModelConfig:
         """A validated copy for a tokenizer of `vocab_size` tokens (a config file leaves the
@@ -222,7 +257,8 @@ class ModelConfig:
             isinstance(self.norm_eps, (int, float)) and 0.0 < self.norm_eps < 1.0
         ):
             raise UsageError(f"model.norm_eps must be a number in (0, 1), got {self.norm_eps!r}")
-        for name in ("tie_embeddings", "qk_norm", "qk_norm_weights", "zero_init_proj", "x0_mixing"):
+        flags = ("tie_embeddings", "qk_norm", "qk_norm_weights", "zero_init_proj", "x0_mixing")
+        for name in (*flags, "value_embeddings", "unet_skips"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
         if self.qk_norm_weights and not self.qk_norm:
@@ -248,6 +284,19 @@ class ModelConfig:
             )
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise UsageError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        self._check_mtp()
+
+    def _check_mtp(self) -> None:
+        """Multi-token prediction: each head needs a target inside the training window."""
+        k, most = self.mtp_tokens, self.block_size - 2
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= max(most, 0):
+            raise UsageError(
+                f"model.mtp_tokens must be an integer in 0..{max(most, 0)} (0 = off; at most "
+                f"model.block_size - 2, so that a target lies in the window), got {k!r}"
+            )
+        w = self.mtp_weight
+        if isinstance(w, bool) or not (isinstance(w, (int, float)) and 0.0 <= w < math.inf):
+            raise UsageError(f"model.mtp_weight must be a finite number >= 0, got {w!r}")
 
     def _check_moe(self) -> None:
         """Mixture-of-experts settings (checked whether or not experts are on)."""

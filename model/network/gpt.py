@@ -26,7 +26,8 @@ from flax import nnx
 
 from model.network.attention import CausalSelfAttention, LayerCache
 from model.network.config import ModelConfig
-from model.network.layers import make_mlp, make_norm
+from model.network.layers import linear, make_mlp, make_norm
+from model.network.loss import multi_token_losses
 from model.network.precision import matmul_precision, mixed_product_precision
 from plumbing.errors import UsageError
 
@@ -37,13 +38,16 @@ class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
     With model.x0_mixing the block's input is first a*x + b*x0 (x0: the embedded tokens),
-    learned scalars starting at (a, b) = (1, 0), so the block starts as without them.
+    learned scalars starting at (a, b) = (1, 0), so the block starts as without them. With
+    model.value_embeddings, some blocks' attention has a value-embedding table, which reads
+    the token ids.
     """
 
     def __init__(self, cfg: ModelConfig, layer_index: int, *, rngs: nnx.Rngs):
         self.x0_lambdas = nnx.Param(jnp.array([1.0, 0.0])) if cfg.x0_mixing else None
         self.ln_1 = make_norm(cfg, rngs=rngs)
-        self.attn = CausalSelfAttention(cfg, rngs=rngs)
+        value_embed = layer_index in cfg.value_embedding_layers
+        self.attn = CausalSelfAttention(cfg, value_embed=value_embed, rngs=rngs)
         self.ln_2 = make_norm(cfg, rngs=rngs)
         self.mlp = make_mlp(cfg, layer_index, rngs=rngs)
 
@@ -54,6 +58,7 @@ class Block(nnx.Module):
         positions_BxT: jax.Array,
         *,
         cache: LayerCache | None = None,
+        tokens_BxT: jax.Array | None = None,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
     ) -> tuple[jax.Array, LayerCache | None, dict[str, jax.Array]]:
@@ -61,7 +66,12 @@ class Block(nnx.Module):
             a, b = self.x0_lambdas[...].astype(x_BxTxD.dtype)
             x_BxTxD = a * x_BxTxD + b * x0_BxTxD
         y, cache = self.attn(
-            self.ln_1(x_BxTxD), positions_BxT, cache=cache, deterministic=deterministic, rngs=rngs
+            self.ln_1(x_BxTxD),
+            positions_BxT,
+            cache=cache,
+            tokens_BxT=tokens_BxT,
+            deterministic=deterministic,
+            rngs=rngs,
         )
         x_BxTxD = x_BxTxD + y
         # The MLP is position-wise: run it on [B*T, D] (2-D matmuls; XLA:CPU runs their
@@ -74,7 +84,13 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """GPT-2-style decoder-only transformer (learned or rotary positions)."""
+    """GPT-2-style decoder-only transformer (learned or rotary positions).
+
+    With model.unet_skips, the outputs of blocks 0..n/2-1 are added, times a learned scalar
+    each (modded-nanogpt's skip_weights, starting at 1), to the inputs of blocks n-1..n-n/2:
+    block i feeds block n-1-i; an odd count leaves the middle block unpaired. With
+    model.mtp_tokens, training adds multi-token heads' losses (model/network/loss.py).
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         cfg = dataclasses.replace(cfg).validate()  # own copy: the caller may edit theirs
@@ -89,6 +105,10 @@ class GPT(nnx.Module):
             self.wpe = None
         self.drop = nnx.Dropout(cfg.dropout)
         self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layer)])
+        skips = cfg.n_unet_skips
+        self.skip_weights = nnx.Param(jnp.ones(skips, jnp.float32)) if skips else None
+        heads = [linear(cfg, cfg.n_embd, cfg.n_embd, 0.02, rngs) for _ in range(cfg.mtp_tokens)]
+        self.mtp_heads = nnx.List(heads) if heads else None
         self.ln_f = make_norm(cfg, rngs=rngs)
         # Untied: a separate output layer [D, V] (no bias, as GPT-2's lm_head).
         self.lm_head = (
@@ -103,18 +123,23 @@ class GPT(nnx.Module):
         self, tokens_BxT: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None
     ) -> jax.Array:
         """Logits [B, T, V] in float32 for every position (causal)."""
-        logits, _ = self.forward_with_aux(tokens_BxT, deterministic=deterministic, rngs=rngs)
-        return logits
+        x_BxTxD, _ = self._hidden_with_aux(tokens_BxT, deterministic, rngs)
+        return self.unembed(x_BxTxD)
 
     def forward_with_aux(
         self, tokens_BxT: jax.Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Logits [B, T, V] float32 and auxiliary losses summed over blocks (empty if dense).
+        """Logits [B, T, V] float32 and auxiliary losses summed over blocks (empty if dense),
+        with model.mtp_tokens also the multi-token losses (`mtp_loss`, `mtp_ce`). A jitted
+        caller that uses only the logits (evaluation) pays for none of those: XLA drops them.
 
         Dropout is active only with deterministic=False, and then needs rngs with a "dropout"
         stream, e.g. `nnx.Rngs(dropout=jax.random.fold_in(key, step))` so resumed runs replay.
         """
         x_BxTxD, aux = self._hidden_with_aux(tokens_BxT, deterministic, rngs)
+        if self.mtp_heads is not None:
+            with matmul_precision(self.cfg.matmul_precision):
+                aux = {**aux, **multi_token_losses(self, x_BxTxD, tokens_BxT)}
         return self.unembed(x_BxTxD), aux
 
     def hidden_states(self, tokens_BxT: jax.Array) -> jax.Array:
@@ -216,17 +241,24 @@ class GPT(nnx.Module):
 
         aux: dict[str, jax.Array] = {}
         new_cache: KVCache | None = None if cache is None else []
+        n, n_skips, skips = self.cfg.n_layer, self.cfg.n_unet_skips, []  # U-net: first half's
         with matmul_precision(self.cfg.matmul_precision):  # every product of the blocks
             for i, block in enumerate(self.blocks):
+                if i >= n - n_skips:  # mirrored block n-1-i of the first half feeds this one
+                    weight = self.skip_weights[n - 1 - i].astype(x_BxTxD.dtype)
+                    x_BxTxD = x_BxTxD + weight * skips[n - 1 - i]
                 layer_cache = None if cache is None else cache[i]
                 x_BxTxD, layer_cache, block_aux = block(
                     x_BxTxD,
                     x0_BxTxD,
                     positions_BxT,
                     cache=layer_cache,
+                    tokens_BxT=tokens_BxT,
                     deterministic=deterministic,
                     rngs=rngs,
                 )
+                if i < n_skips:
+                    skips.append(x_BxTxD)
                 if new_cache is not None:
                     new_cache.append(layer_cache)
                 for name, value in block_aux.items():
@@ -271,4 +303,8 @@ def flops_per_token(cfg: ModelConfig) -> float:
         n -= cfg.block_size * cfg.n_embd
     if not cfg.tie_embeddings:
         n -= cfg.vocab_size * cfg.n_embd
+    # Value-embedding tables are lookups (as nanochat's estimate_flops excludes them); each
+    # multi-token head runs the output layer once more, beyond its own Linear.
+    n -= len(cfg.value_embedding_layers) * cfg.vocab_size * cfg.attn_width
+    n += cfg.mtp_tokens * cfg.vocab_size * cfg.n_embd
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size
