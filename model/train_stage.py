@@ -72,7 +72,7 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
         if saved is not None:
             cfg = dataclasses.replace(cfg, data=resumed_data(cfg.data, saved))
             check_compatible(saved, model_cfg, tokenizer_sha)
-            check_same_optimizer(saved, cfg.train.optimizer)
+            check_same_optimizer(saved, cfg.train)
         corpus = corpus_for(cfg.data)
         if saved is not None:
             check_same_corpus(saved, corpus)

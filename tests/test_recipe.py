@@ -157,7 +157,10 @@ def test_moe_and_qat_train_with_muon_and_every_option():
         logit_softcap=15.0, x0_mixing=True, tie_embeddings=False,
     )  # fmt: skip
     for qat in (0, 4):
-        trainer, losses = train_steps(cfg, n=4, optimizer="muon", lr_schedule="wsd", qat_bits=qat)
+        trainer, losses = train_steps(
+            cfg, n=4, optimizer="muon", lr_schedule="wsd", qat_bits=qat, normuon=True,
+            muon_orthogonalizer="polar_express", cautious_weight_decay=True,
+        )  # fmt: skip
         assert all(np.isfinite(losses)) and losses[-1] < losses[0]
         experts = np.asarray(named_leaves(trainer.params)["blocks/0/mlp/expert_proj"])
         assert np.any(experts)  # zero-initialised, then moved by Muon
@@ -186,6 +189,9 @@ def test_gpt2_export_refuses_what_gpt2_cannot_hold(option, message):
         ("train", dict(lr_schedule="linear"), "train.lr_schedule must be one of cosine, wsd"),
         ("train", dict(muon_learning_rate=0.0), "train.muon_learning_rate must be positive"),
         ("train", dict(decay_fraction=1.5), r"train.decay_fraction must be in \[0, 1\]"),
+        ("train", dict(muon_orthogonalizer="svd"), "train.muon_orthogonalizer must be one of"),
+        ("train", dict(normuon=True), "train.normuon needs train.optimizer='muon'"),
+        ("train", dict(cautious_weight_decay="on"), "train.cautious_weight_decay must be true"),
         ("model", dict(mlp="relu3"), "model.mlp must be one of gelu, swiglu, relu2"),
         ("model", dict(logit_softcap=-1.0), "model.logit_softcap must be a finite number"),
         ("model", dict(qk_norm="yes"), "model.qk_norm must be true or false"),
@@ -229,8 +235,8 @@ def test_resume_refuses_another_optimizer():
     from model.training.resume import check_same_optimizer
 
     saved_before_the_option = {"config": {"train": {"max_steps": 10}}}
-    check_same_optimizer(saved_before_the_option, "adamw")
+    check_same_optimizer(saved_before_the_option, TrainConfig())
     with pytest.raises(
         UsageError, match=r"train\.optimizer is 'adamw' in the checkpoint but 'muon'"
     ):
-        check_same_optimizer(saved_before_the_option, "muon")
+        check_same_optimizer(saved_before_the_option, TrainConfig(optimizer="muon"))

@@ -5,8 +5,10 @@ Sizes come from the model's abstract shapes (nothing allocated) and the project'
                 (model/processes/mesh.py `sharded_axis`), else whole on every device
   gradients     float32, laid out as the parameters (a second copy with train.grad_accum > 1:
                 the running sum and the micro-batch's own)
-  optimizer     the optimizer's own state (AdamW: two moments; Muon: one for its matrices, two
-                for the rest), each moment laid out as its parameter
+  optimizer     the optimizer's own state, traced from train's optimizer (AdamW: two moments;
+                Muon: one for its matrices, two for the rest; NorMuon: one more per output
+                neuron of each matrix), each moment laid out as its parameter, smaller
+                state (NorMuon's, step counts) whole on every device
   activations   what the backward pass keeps of one micro-batch's share of rows: the residuals
                 of `jax.vjp` of the training loss, traced as the device's host traces it (cuDNN
                 attention keeps no T x T probabilities), so any rematerialisation the model

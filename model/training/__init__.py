@@ -4,7 +4,8 @@ config.py    TrainConfig: the [train] section
 data.py      the token cache and the batches drawn from it
 trainer.py   model and optimizer state on the mesh, the compiled step, evaluation
 loop.py      the loop: logging, evaluation, checkpoints, stopping on a signal
-optim.py     AdamW or Muon, warmup then cosine or warmup-stable-decay
+optim.py     AdamW or Muon (which parameters get which), warmup then cosine or warmup-stable-decay
+muon.py      Muon's transforms: Newton-Schulz or Polar Express, NorMuon, cautious weight decay
 metrics.py   metrics.jsonl, bits per byte, MFU, the loss curve
 tracking.py  train.tracker: the same metrics to TensorBoard or Weights & Biases
 memory.py    will a run fit? a lower bound, then the plan, before anything is allocated

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from model.processes.cpu_devices import check_cpu_devices
+from model.training.muon import ORTHOGONALIZERS, POLAR_EXPRESS
 from model.training.tracking import TRACKERS
 from plumbing import checks
 from plumbing.errors import UsageError
@@ -24,15 +25,21 @@ class TrainConfig:
     batch_size: int = 12  # sequences per optimizer step (all devices together)
     max_steps: int = 2000
     learning_rate: float = 1e-3  # peak, after warmup
-    min_lr: float = 1e-4  # end of the cosine decay
+    min_lr: float = 1e-4  # where the decay ends (cosine or wsd's cooldown); then flat
     warmup_steps: int = 100
-    lr_decay_steps: int = 0  # cosine length; 0 = max_steps
-    weight_decay: float = 0.1  # matrices only
+    lr_decay_steps: int = 0  # steps to reach min_lr (warmup included); 0 = max_steps
+    weight_decay: float = 0.1  # matrices only; times the scheduled rate at each step
+    # Decay only where the update and the weight agree in sign (Muon's or AdamW's matrices).
+    cautious_weight_decay: bool = False
     # "adamw" | "muon": Muon (optax.contrib.muon) for the weight matrices, AdamW for the
     # embeddings, output layer, norms and biases (model/training/optim.py).
     optimizer: str = "adamw"
     muon_learning_rate: float = 0.02  # peak rate of Muon's matrices (train.optimizer = "muon")
-    muon_ns_steps: int = 5  # Newton-Schulz iterations that orthogonalise each Muon update
+    muon_ns_steps: int = 5  # iterations that orthogonalise each Muon update
+    # "newton_schulz" (one quintic, Keller Jordan's) | "polar_express" (one per iteration,
+    # for 5 iterations; Amsel et al. 2025): model/training/muon.py.
+    muon_orthogonalizer: str = "newton_schulz"
+    normuon: bool = False  # Muon: NorMuon's per-neuron normalisation of the update
     lr_schedule: str = "cosine"  # "cosine" | "wsd": warmup, stable, then a linear cooldown
     decay_fraction: float = 0.2  # wsd: the last fraction of the decay steps that cools down
     beta1: float = 0.9
@@ -115,6 +122,7 @@ class TrainConfig:
             raise UsageError(
                 f"train.muon_learning_rate must be positive, got {self.muon_learning_rate}"
             )
+        self._check_muon_options()
         if not 0 <= self.decay_fraction <= 1:  # also false for NaN
             raise UsageError(f"train.decay_fraction must be in [0, 1], got {self.decay_fraction}")
         for key, value in {"train.beta1": self.beta1, "train.beta2": self.beta2}.items():
@@ -133,3 +141,23 @@ class TrainConfig:
         if self.qat_bits not in (0, 4, 8):
             raise UsageError(f"train.qat_bits must be 0 (off), 8 or 4, got {self.qat_bits}")
         return self
+
+    def _check_muon_options(self) -> None:
+        for name in ("normuon", "cautious_weight_decay"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"train.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.muon_orthogonalizer not in ORTHOGONALIZERS:
+            raise UsageError(
+                f"train.muon_orthogonalizer must be one of {', '.join(ORTHOGONALIZERS)}; got "
+                f"{self.muon_orthogonalizer!r}"
+            )
+        if self.muon_orthogonalizer == "polar_express" and self.muon_ns_steps != len(POLAR_EXPRESS):
+            raise UsageError(
+                f"train.muon_ns_steps must be {len(POLAR_EXPRESS)} with "
+                f"train.muon_orthogonalizer='polar_express' (its coefficients are computed for "
+                f"{len(POLAR_EXPRESS)} iterations), got {self.muon_ns_steps}"
+            )
+        if self.optimizer != "muon":
+            for name, off in (("normuon", False), ("muon_orthogonalizer", "newton_schulz")):
+                if getattr(self, name) != off:
+                    raise UsageError(f"train.{name} needs train.optimizer='muon'")

@@ -8,8 +8,9 @@ out, against the device's free memory.
 
 On CPU every device shares the host's memory. A quick lower bound comes first, from what
 training surely holds at once: float32 parameters, their gradients and the optimizer's moments
-(`STATE_BYTES`), and for one micro-batch the attention probabilities of every layer (B x H x
-T x T float32) and the float32 logits (B x T x V). Above the memory there is, the run is
+(`optimizer_floats`: AdamW two a parameter; Muon one for its matrices and two for AdamW's
+part, the embeddings), and for one micro-batch the attention probabilities of every layer
+(B x H x T x T float32) and the float32 logits (B x T x V). Above the memory there is, the run is
 refused; within a quarter of it, the plan decides; below, a small model starts without the
 second of tracing the plan costs.
 
@@ -25,22 +26,36 @@ from model.network.config import ModelConfig
 from plumbing.errors import UsageError
 from plumbing.memory import available_bytes, human_bytes
 
-# Bytes a parameter surely costs in training: float32 value and gradient, and the optimizer's
-# moments (AdamW two; Muon one for its matrices and two for the rest: at least one).
-STATE_BYTES = {"adamw": 16, "muon": 12}
 PLAN_SHARE = 0.25  # on CPU, the plan is made once the lower bound passes this share
+
+
+def optimizer_floats(cfg: ModelConfig, optimizer: str = "adamw") -> int:
+    """Float32 moments the optimizer surely keeps, from the config's shapes: AdamW two a
+    parameter; Muon one (momentum) a parameter of its matrices and AdamW's two for the token
+    and position tables. Not counted, being small: the norms, biases, router and output
+    layer's share of AdamW (Muon), NorMuon's moment per output neuron, step counts.
+
+    >>> cfg = ModelConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    >>> optimizer_floats(cfg, "muon") - cfg.approx_params() == (65 + 64) * 128
+    True
+    """
+    n = cfg.approx_params()
+    if optimizer == "adamw":
+        return 2 * n
+    positions = cfg.block_size if cfg.position == "learned" else 0
+    return n + (cfg.vocab_size + positions) * cfg.n_embd
 
 
 def training_bytes(
     cfg: ModelConfig, rows: int, state_copies: float = 1.0, optimizer: str = "adamw"
 ) -> int:
-    """Lower bound on the bytes one training step holds: `state_copies` copies of parameters
-    and optimizer state (one per device when replicated) plus the activations of `rows`
+    """Lower bound on the bytes one training step holds: `state_copies` copies of parameters,
+    gradients and optimizer state (one per device when replicated) plus the activations of `rows`
     sequences of cfg.block_size tokens."""
     t = cfg.block_size
-    state = STATE_BYTES[optimizer] * cfg.approx_params() * state_copies
+    state = (8 * cfg.approx_params() + 4 * optimizer_floats(cfg, optimizer)) * state_copies
     attention = cfg.n_layer * rows * cfg.n_head * t * t * 4  # softmax output, float32
-    logits = rows * t * cfg.vocab_size * 4  # float32
+    logits = rows * t * cfg.vocab_size * 4 * (1 + cfg.mtp_tokens)  # float32; multi-token heads'
     return int(state + attention + logits)
 
 

@@ -1,5 +1,6 @@
-"""The optimizer: AdamW, or Muon for the weight matrices (optax's own, AdamW for the rest),
-with warmup then cosine or warmup-stable-decay, decay on matrices only, and clipping.
+"""The optimizer: AdamW, or Muon for the weight matrices (optax's transforms, AdamW for the
+rest; model/training/muon.py), with warmup then cosine or warmup-stable-decay, decay on
+matrices only (cautious if asked), and clipping.
 
     >>> from model.training.config import TrainConfig
     >>> tx = make_optimizer(TrainConfig(optimizer="muon"))
@@ -12,10 +13,19 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from model.network.params import path_names
+from model.training.muon import muon, weight_decay
 
 # Parameters Muon never takes, though 2-D: lookup tables (token, position) and the output
 # layer, which Muon's authors and nanochat leave to AdamW.
 NOT_MUON = ("wte", "wpe", "lm_head")
+# The MoE router [n_embd, n_experts] goes to AdamW too, a decision: with a handful of experts
+# its update is a thin matrix, and orthogonalising it gives every expert's logit direction the
+# same step whatever its gradient, so a rarely chosen expert's column moves as far as a busy
+# one's and the small corrective pull of the balance and z-losses is lost in it. AdamW's
+# per-weight steps keep those sizes, as routers were tuned with (DeepSeek-V3, Mixtral trained
+# them with AdamW; Megatron-LM's --moe-router-skip-muon, NVIDIA/Megatron-LM#6504). Its two
+# moments cost 2 x n_embd x n_experts floats.
+ROUTERS = ("router",)
 
 
 def lr_multiplier(
@@ -79,11 +89,11 @@ def decay_mask(params):
 def muon_dimensions(params):
     """Which parameters Muon orthogonalises, as optax's muon wants them: a Linear kernel
     [in, out] as one matrix, an MoE expert stack [E, in, out] as E matrices; None (AdamW)
-    for embeddings, the output layer, norms, biases and scalars."""
+    for embeddings, the output layer, the MoE router, norms, biases and scalars."""
 
     def spec(path, p):
         names = path_names(path)
-        if p.ndim < 2 or any(name in NOT_MUON for name in names):
+        if p.ndim < 2 or any(name in NOT_MUON or name in ROUTERS for name in names):
             return None
         return MuonDimensionNumbers(reduction_axis=p.ndim - 2, output_axis=p.ndim - 1)
 
@@ -91,30 +101,41 @@ def muon_dimensions(params):
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
-    """optax AdamW, or optax.contrib.muon, from a TrainConfig; gradient clipping first (as
-    torch's clip_grad_norm_ + step).
+    """AdamW or Muon from a TrainConfig; gradient clipping first (as torch's
+    clip_grad_norm_ + step).
 
     With Muon the matrices take train.muon_learning_rate and train.weight_decay, with Muon's
-    own Nesterov momentum 0.95 (the paper's and optax's default). The rest (embeddings,
-    output layer, norms) is optax's AdamW part of muon: train.learning_rate, beta1, beta2,
-    Nesterov moments and no weight decay (optax's muon has no decay mask for that part).
+    own Nesterov momentum 0.95 (the paper's and optax's default), orthogonalised by
+    train.muon_orthogonalizer, then NorMuon's per-neuron normalisation if train.normuon. The
+    rest (embeddings, output layer, router, norms) is AdamW as optax's muon has it:
+    train.learning_rate, beta1, beta2, Nesterov moments and no weight decay (optax's muon has
+    no decay mask for that part). train.cautious_weight_decay makes the decay of Muon's
+    matrices, or of AdamW's matrices, cautious (model/training/muon.py weight_decay).
     """
     t = train_cfg
     schedule = learning_rate_schedule(t, t.learning_rate)
     if t.optimizer == "muon":
-        tx = optax.contrib.muon(
-            learning_rate=learning_rate_schedule(t, t.muon_learning_rate),
-            ns_steps=t.muon_ns_steps,
-            adam_learning_rate=schedule,
-            adam_b1=t.beta1,
-            adam_b2=t.beta2,
-            weight_decay=t.weight_decay,
-            muon_weight_dimension_numbers=muon_dimensions,
-        )
-    else:
-        tx = optax.adamw(
-            schedule, b1=t.beta1, b2=t.beta2, eps=1e-8, weight_decay=t.weight_decay, mask=decay_mask
+        matrices_lr = learning_rate_schedule(t, t.muon_learning_rate)
+        tx = muon(t, matrices_lr, schedule, muon_dimensions)
+    else:  # optax.adamw's own chain, with the decay step chosen
+        tx = optax.chain(
+            optax.scale_by_adam(b1=t.beta1, b2=t.beta2, eps=1e-8),
+            weight_decay(t.weight_decay, t.cautious_weight_decay, decay_mask),
+            optax.scale_by_learning_rate(schedule),
         )
     if t.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(t.grad_clip), tx)
     return tx
+
+
+def state_settings(train_cfg) -> dict[str, object]:
+    """The settings that shape the optimizer's state: a checkpoint's state continues only
+    under the same ones (model/training/resume.py). Polar Express keeps one coefficient
+    triple per iteration in Muon's state (Newton-Schulz one); NorMuon adds a moment per
+    output neuron. Cautious decay keeps nothing."""
+    t = train_cfg
+    settings: dict[str, object] = {"optimizer": t.optimizer}
+    if t.optimizer == "muon":
+        settings["muon_orthogonalizer"] = t.muon_orthogonalizer
+        settings["normuon"] = t.normuon
+    return settings

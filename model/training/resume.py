@@ -63,15 +63,22 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, tokenizer_sha: str) -> 
 _DATA_FIELDS = ("input", "dataset", "dataset_config", "split", "text_field", "val_fraction")
 
 
-def check_same_optimizer(meta: dict, optimizer: str) -> None:
-    """A resumed run continues its checkpoint's optimizer state: the same train.optimizer
-    (a run saved before the option existed trained with AdamW)."""
-    saved = meta["config"].get("train", {}).get("optimizer", "adamw")
-    if saved != optimizer:
-        raise UsageError(
-            f"train.optimizer is {saved!r} in the checkpoint but {optimizer!r} now: its state "
-            "cannot continue another optimizer; drop the override or train a new run"
-        )
+def check_same_optimizer(meta: dict, train_cfg) -> None:
+    """A resumed run continues its checkpoint's optimizer state: the same settings that shape
+    it (optim.state_settings: train.optimizer, and with Muon its orthogonaliser and NorMuon).
+    A setting missing from the record (saved before it existed) had its default."""
+    from model.training.config import TrainConfig
+    from model.training.optim import state_settings
+
+    recorded = meta["config"].get("train", {})
+    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name in recorded]
+    saved = state_settings(dataclasses.replace(TrainConfig(), **{n: recorded[n] for n in names}))
+    for name, now in state_settings(train_cfg).items():  # the optimizer's name first
+        if saved.get(name, now) != now:
+            raise UsageError(
+                f"train.{name} is {saved[name]!r} in the checkpoint but {now!r} now: its "
+                "optimizer state cannot continue another; drop the override or train a new run"
+            )
 
 
 def resumed_data(data: DataConfig, meta: dict) -> DataConfig:
