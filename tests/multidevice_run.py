@@ -37,8 +37,10 @@ class CompileCounter:
 
 
 def optimizer_layout(trainer) -> dict:
-    """For every optimizer-state leaf of 2+ dimensions: whether it is laid out as its
-    parameter (same path tail, same shape), and how many such leaves are sharded."""
+    """For every optimizer-state leaf shaped as its parameter (same path tail, same shape, 2+
+    dimensions): whether it is laid out as the parameter, and how many such leaves are
+    sharded. Smaller state (step counts, Polar Express's coefficients, NorMuon's moment per
+    output neuron) is replicated."""
     import jax
 
     from model.network.params import path_names
@@ -46,12 +48,12 @@ def optimizer_layout(trainer) -> dict:
     params = {path_names(p): x for p, x in jax.tree_util.tree_leaves_with_path(trainer.params)}
     leaves, alike, sharded = 0, 0, 0
     for path, x in jax.tree_util.tree_leaves_with_path(trainer.opt_state):
-        if x.ndim < 2:
-            continue
-        leaves += 1
         names = path_names(path)
         match = next((params[names[i:]] for i in range(len(names)) if names[i:] in params), None)
-        alike += match is not None and match.sharding == x.sharding
+        if x.ndim < 2 or match is None or match.shape != x.shape:
+            continue
+        leaves += 1
+        alike += match.sharding == x.sharding
         sharded += len({str(s.index) for s in x.addressable_shards}) > 1
     return {"leaves": leaves, "alike": alike, "sharded": sharded}
 
