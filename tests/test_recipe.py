@@ -155,6 +155,7 @@ def test_moe_and_qat_train_with_muon_and_every_option():
     cfg = dataclasses.replace(
         TINY, moe_experts=2, qk_norm=True, mlp="relu2", zero_init_proj=True,
         logit_softcap=15.0, x0_mixing=True, tie_embeddings=False,
+        value_embeddings=True, unet_skips=True, mtp_tokens=2,
     )  # fmt: skip
     for qat in (0, 4):
         trainer, losses = train_steps(
@@ -173,6 +174,9 @@ def test_moe_and_qat_train_with_muon_and_every_option():
         (dict(logit_softcap=15.0), "model.logit_softcap=15.0"),
         (dict(x0_mixing=True), "model.x0_mixing=true"),
         (dict(mlp="relu2"), "model.mlp='relu2'"),
+        (dict(value_embeddings=True), "model.value_embeddings=true"),
+        (dict(unet_skips=True), "model.unet_skips=true"),
+        (dict(mtp_tokens=2), "model.mtp_tokens=2"),
     ],
 )
 def test_gpt2_export_refuses_what_gpt2_cannot_hold(option, message):
@@ -195,6 +199,12 @@ def test_gpt2_export_refuses_what_gpt2_cannot_hold(option, message):
         ("model", dict(mlp="relu3"), "model.mlp must be one of gelu, swiglu, relu2"),
         ("model", dict(logit_softcap=-1.0), "model.logit_softcap must be a finite number"),
         ("model", dict(qk_norm="yes"), "model.qk_norm must be true or false"),
+        ("model", dict(value_embeddings=1), "model.value_embeddings must be true or false"),
+        ("model", dict(unet_skips="yes"), "model.unet_skips must be true or false"),
+        ("model", dict(mtp_tokens=-1), r"model.mtp_tokens must be an integer in 0\.\.14"),
+        ("model", dict(mtp_tokens=15), r"model.mtp_tokens must be an integer in 0\.\.14"),
+        ("model", dict(mtp_tokens=1.5), "model.mtp_tokens must be an integer"),
+        ("model", dict(mtp_weight=-0.1), "model.mtp_weight must be a finite number >= 0"),
     ],
 )
 def test_recipe_settings_are_checked(section, overrides, message):

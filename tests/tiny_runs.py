@@ -40,6 +40,10 @@ RECIPE = [
     "model.logit_softcap=15",
     "model.x0_mixing=true",
     "model.tie_embeddings=false",
+    "model.value_embeddings=true",
+    "model.unet_skips=true",
+    "model.mtp_tokens=2",
+    "model.n_layer=2",  # after TINY_TRAIN's one block: a U-net skip, a block without a table
 ]
 
 

@@ -15,9 +15,9 @@ from optax.contrib import MuonDimensionNumbers
 from model.network.params import path_names
 from model.training.muon import muon, weight_decay
 
-# Parameters Muon never takes, though 2-D: lookup tables (token, position) and the output
-# layer, which Muon's authors and nanochat leave to AdamW.
-NOT_MUON = ("wte", "wpe", "lm_head")
+# Parameters Muon never takes, though 2-D: lookup tables (token, position, value embeddings
+# with their small gates) and the output layer, which Muon's authors and nanochat leave to AdamW.
+NOT_MUON = ("wte", "wpe", "lm_head", "value_embed")
 # The MoE router [n_embd, n_experts] goes to AdamW too, a decision: with a handful of experts
 # its update is a thin matrix, and orthogonalising it gives every expert's logit direction the
 # same step whatever its gradient, so a rarely chosen expert's column moves as far as a busy

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
+from model.network.loss import cross_entropy  # the model's loss, used here and re-exported
 from model.network.params import abstract_model
 from model.processes.mesh import (
     batch_sharding,
@@ -40,19 +41,6 @@ from model.training.config import TrainConfig
 from model.training.data import TokenSplits, sample_batch
 from model.training.optim import make_optimizer
 from plumbing.errors import UsageError
-
-
-def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in nats (fp32 logits): logsumexp minus the target logit.
-
-    The target logit is picked with a one-hot product rather than an indexed gather, so the
-    gradient is softmax - one_hot with no scatter (a scatter is slow on XLA:CPU; the values
-    are optax.softmax_cross_entropy_with_integer_labels' to float32 rounding, tested).
-    """
-    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
-    one_hot_BxTxV = jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)
-    target_BxT = jnp.sum(logits_BxTxV * one_hot_BxTxV, axis=-1)
-    return jnp.mean(jax.nn.logsumexp(logits_BxTxV, axis=-1) - target_BxT)
 
 
 def evaluate_windows(model: GPT, tokens: np.ndarray, rows: int = 64) -> float:
