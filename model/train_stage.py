@@ -39,7 +39,7 @@ from model.training.resume import (
     resumed_data,
 )
 from model.training.tracking import require_tracker
-from model.training.trainer import Trainer
+from model.training.trainer import Trainer, TrainState
 from plumbing.atomic import write_atomic
 from plumbing.errors import UsageError
 from plumbing.hashing import file_sha256
@@ -81,8 +81,8 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
             tokenizer_sha,
         )  # fmt: skip
         trainer = Trainer(cfg.train, model_cfg)
-        start_step = _starting_weights(trainer, checkpoints, cfg, resume)
-        _print_summary(trainer, splits, start_step)
+        state = _starting_state(trainer, checkpoints, cfg, resume)
+        _print_summary(trainer, splits, state.steps_taken())
         meta = {
             "config": _resolved(cfg, model_cfg),
             "tokenizer_sha256": tokenizer_sha,
@@ -91,7 +91,7 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
         # Written only now that everything has been checked: a failing --train leaves it alone.
         if is_primary():  # several processes: process 0 writes the run's files
             write_atomic(run_dir / CONFIG_FILE, json.dumps(meta["config"], indent=2))
-        return TrainingLoop(trainer, splits, checkpoints, run_dir, start_step, meta).run()
+        return TrainingLoop(trainer, state, splits, checkpoints, run_dir, meta).run()
     finally:
         checkpoints.close()
 
@@ -127,22 +127,24 @@ def _model_config(cfg: Config, tokenizer: Tokenizer) -> ModelConfig:
     return cfg.model.for_vocab(tokenizer.vocab_size)
 
 
-def _starting_weights(trainer: Trainer, checkpoints: Checkpoints, cfg: Config, resume: bool) -> int:
-    """Put the weights training starts from into `trainer`: the newest intact checkpoint
-    (--resume), a Hugging Face checkpoint's (--init-from) or the fresh initialisation. Returns
-    the step."""
+def _starting_state(
+    trainer: Trainer, checkpoints: Checkpoints, cfg: Config, resume: bool
+) -> TrainState:
+    """The state training starts from, made by `trainer`: the newest intact checkpoint's
+    (--resume), step 0 with a Hugging Face checkpoint's weights (--init-from), or step 0
+    freshly initialised."""
     if resume:
-        step, (trainer.params, trainer.opt_state, _) = checkpoints.restore_newest(
-            lambda step: checkpoints.restore(step, trainer.params, trainer.opt_state),
-            purpose="resuming from",
+        step, state = checkpoints.restore_newest(
+            lambda step: trainer.restored(checkpoints, step), purpose="resuming from"
         )
         check_steps_left(step, cfg.train.max_steps)
-        return step
+        return state
     if cfg.init_from:
         from model.interop.hf_import import load_hf_params
 
-        trainer.params = load_hf_params(cfg.init_from, trainer.params, cfg.model)
-    return 0
+        params = load_hf_params(cfg.init_from, trainer.param_shapes(), cfg.model)
+        return trainer.initial_state(params)
+    return trainer.initial_state()
 
 
 def _print_summary(trainer: Trainer, splits: TokenSplits, start_step: int) -> None:

@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     splits = load_token_splits(corpus_for(cfg.data), tokenizer, tok_path, fp32_dir, val_fraction)
     # A float32 Trainer (qat_bits=0) scores every model: quantized ones are dequantized first.
     trainer = Trainer(cfg.train, cfg.model.for_vocab(tokenizer.vocab_size))
-    shardings = jax.tree_util.tree_map(lambda a: a.sharding, trainer.params)
+    params_like = trainer.param_shapes()
+    shardings = jax.tree_util.tree_map(lambda a: a.sharding, params_like)
     fp32_bpb = None
     lines = [
         "| model | val loss | val bpb | vs fp32 | linear weights | checkpoint |",
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for label, run_dir in rows:
         if (run_dir / QUANT_FILE).is_file():
-            params, _ = read_quantized(run_dir / QUANT_FILE, trainer.params)
+            params, _ = read_quantized(run_dir / QUANT_FILE, params_like)
             sizes = linear_weight_bytes(run_dir / QUANT_FILE)
             linear, file_size = sizes["linear"], sizes["file"]
         else:

@@ -60,17 +60,17 @@ def time_tinyllm(cfg, steps: int, repeats: int) -> dict:
     from model.training.trainer import Trainer
 
     trainer = Trainer(cfg.train, cfg.model.for_vocab(65))
+    state = trainer.initial_state()
     tokens = np.random.default_rng(0).integers(0, 65, 1_000_000).astype(np.uint16)
 
     def run(start: int, n: int) -> None:
+        nonlocal state
         for step in range(start, start + n):
             x, y = trainer.batch(tokens, step)
-            trainer.params, trainer.opt_state, metrics = trainer.train_step(
-                trainer.params, trainer.opt_state, x, y, step
-            )
+            state, metrics = trainer.train_step(state, x, y)
             if step % 10 == 0:
                 float(metrics["loss"])  # the loop's log-interval read-back
-        jax.block_until_ready(trainer.params)
+        jax.block_until_ready(state)
 
     t0 = time.perf_counter()
     run(0, 1)

@@ -35,9 +35,9 @@ def arm(when: str, signum: int, count: int) -> None:
     if when == "eval":
         original = Trainer.evaluate
 
-        def evaluate(self, splits):
+        def evaluate(self, *args):
             fire()
-            return original(self, splits)
+            return original(self, *args)
 
         Trainer.evaluate = evaluate
     elif when == "save":

@@ -36,7 +36,7 @@ class CompileCounter:
         return self.counts.get(f"jit({name})", 0) + self.counts.get(name, 0)
 
 
-def optimizer_layout(trainer) -> dict:
+def optimizer_layout(state) -> dict:
     """For every optimizer-state leaf shaped as its parameter (same path tail, same shape, 2+
     dimensions): whether it is laid out as the parameter, and how many such leaves are
     sharded. Smaller state (step counts, Polar Express's coefficients, NorMuon's moment per
@@ -45,9 +45,9 @@ def optimizer_layout(trainer) -> dict:
 
     from model.network.params import path_names
 
-    params = {path_names(p): x for p, x in jax.tree_util.tree_leaves_with_path(trainer.params)}
+    params = {path_names(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
     leaves, alike, sharded = 0, 0, 0
-    for path, x in jax.tree_util.tree_leaves_with_path(trainer.opt_state):
+    for path, x in jax.tree_util.tree_leaves_with_path(state.opt_state):
         names = path_names(path)
         match = next((params[names[i:]] for i in range(len(names)) if names[i:] in params), None)
         if x.ndim < 2 or match is None or match.shape != x.shape:
@@ -58,15 +58,15 @@ def optimizer_layout(trainer) -> dict:
     return {"leaves": leaves, "alike": alike, "sharded": sharded}
 
 
-def train_steps(trainer, tokens, steps: range) -> list[float]:
+def train_steps(trainer, tokens, steps: range, state=None) -> tuple:
+    """(the state after `steps`, their losses), from `state` or the trainer's initial one."""
+    state = trainer.initial_state() if state is None else state
     losses = []
     for step in steps:
         x, y = trainer.batch(tokens, step)
-        trainer.params, trainer.opt_state, metrics = trainer.train_step(
-            trainer.params, trainer.opt_state, x, y, step
-        )
+        state, metrics = trainer.train_step(state, x, y)
         losses.append(float(metrics["loss"]))
-    return losses
+    return state, losses
 
 
 def short_run(
@@ -91,30 +91,29 @@ def short_run(
         model_cfg = cfg.model.for_vocab(tok.vocab_size)
         trainer = Trainer(cfg.train, model_cfg)
         before = counter.of("step")
-        out["fsdp" if fsdp else "data_parallel"] = train_steps(trainer, splits.train, range(steps))
-        kernel = jax.tree_util.tree_leaves(trainer.params)[0]
+        state, losses = train_steps(trainer, splits.train, range(steps))
+        out["fsdp" if fsdp else "data_parallel"] = losses
+        kernel = jax.tree_util.tree_leaves(state.params)[0]
         out["fsdp_param_shards" if fsdp else "dp_param_shards"] = len(
             {str(s.index) for s in kernel.addressable_shards}
         )
         if fsdp and resume:
             out["fsdp_step_compiles"] = counter.of("step") - before
-            out["fsdp_optimizer"] = optimizer_layout(trainer)
+            out["fsdp_optimizer"] = optimizer_layout(state)
             # --resume's path: a new trainer restores a checkpoint into its own layout, and
             # continues as the first one does.
             checkpoints = Checkpoints(Path(run_dir) / f"fsdp-{jax.device_count()}")
-            checkpoints.save(steps, trainer.params, trainer.opt_state, {"config": {}})
+            checkpoints.save(steps, state.params, state.opt_state, {"config": {}})
             checkpoints.wait()
             more = range(steps, steps + 2)
-            out["continued"] = train_steps(trainer, splits.train, more)
+            out["continued"] = train_steps(trainer, splits.train, more, state)[1]
             resumed = Trainer(cfg.train, model_cfg)
-            resumed.params, resumed.opt_state, _ = checkpoints.restore(
-                steps, resumed.params, resumed.opt_state
-            )
+            restored = resumed.restored(checkpoints, steps)
             checkpoints.close()
             before = counter.of("step")
-            out["resumed"] = train_steps(resumed, splits.train, more)
+            restored, out["resumed"] = train_steps(resumed, splits.train, more, restored)
             out["resumed_step_compiles"] = counter.of("step") - before
-            out["resumed_optimizer"] = optimizer_layout(resumed)
+            out["resumed_optimizer"] = optimizer_layout(restored)
     out["batch_shards"] = sorted({str(s.index) for s in x_shards(trainer, splits)})
     out["batch_shard_rows"] = [s.data.shape[1] for s in x_shards(trainer, splits)]
     return out

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from configs.schema import load_config, resolve_config_path
@@ -31,8 +30,7 @@ def xla_bytes(cfg) -> int:
 
     trainer = Trainer(cfg.train, cfg.model, abstract=True)
     x, y = trainer.batch_shapes()
-    step = jax.ShapeDtypeStruct((), jnp.int32)
-    traced = trainer.train_step.trace(trainer.params, trainer.opt_state, x, y, step)
+    traced = trainer.train_step.trace(trainer.initial_state(), x, y)
     m = traced.lower().compile().memory_analysis()
     out = m.output_size_in_bytes - m.alias_size_in_bytes
     return m.argument_size_in_bytes + out + m.temp_size_in_bytes

@@ -39,7 +39,7 @@ def train_losses(tmp_path, dtype: str, steps: int = 40) -> list[float]:
     )  # fmt: skip
     return train_steps(
         Trainer(cfg.train, cfg.model.for_vocab(tok.vocab_size)), tokens, range(steps)
-    )
+    )[1]
 
 
 def test_bf16_training_stays_near_float32(tmp_path):

@@ -22,23 +22,21 @@ from model.network.gpt import GPT
 from model.network.params import path_names
 from model.training.config import TrainConfig
 from model.training.optim import learning_rate_schedule, make_optimizer, muon_dimensions
-from model.training.trainer import Trainer
+from model.training.trainer import Trainer, TrainState
 from plumbing.errors import UsageError
 from tests.tiny_models import TINY, forward, random_tokens, tiny_model
 
 TOKENS = (np.arange(4000) * 7 % 64).astype(np.uint16)
 
 
-def train_steps(model_cfg: ModelConfig, n: int = 3, **train) -> tuple[Trainer, list[float]]:
+def train_steps(model_cfg: ModelConfig, n: int = 3, **train) -> tuple[TrainState, list[float]]:
     trainer = Trainer(TrainConfig(batch_size=4, warmup_steps=1, **train).validate(), model_cfg)
-    losses = []
+    state, losses = trainer.initial_state(), []
     for step in range(n):
         x, y = trainer.batch(TOKENS, step)
-        trainer.params, trainer.opt_state, metrics = trainer.train_step(
-            trainer.params, trainer.opt_state, x, y, step
-        )
+        state, metrics = trainer.train_step(state, x, y)
         losses.append(float(metrics["loss"]))
-    return trainer, losses
+    return state, losses
 
 
 def named_leaves(tree) -> dict[str, object]:
@@ -119,13 +117,14 @@ def test_qk_norm_gives_unit_rms_heads_and_bounded_scores():
 def test_zero_init_projections_make_every_block_start_as_identity():
     cfg = dataclasses.replace(TINY, zero_init_proj=True, x0_mixing=True)
     trainer = Trainer(TrainConfig(batch_size=2).validate(), cfg)
-    names = named_leaves(trainer.params)
+    params = trainer.initial_state().params
+    names = named_leaves(params)
     projections = [n for n in names if n.endswith("c_proj/kernel")]
     assert len(projections) == 2 * cfg.n_layer
     assert all(not np.any(np.asarray(names[n])) for n in projections)
     assert np.any(np.asarray(names["blocks/0/attn/c_attn/kernel"]))
     # Then the residual stream stays the embedding: logits = ln_f(wte + wpe) @ wte.T.
-    model = nnx.merge(trainer.graphdef, trainer.params, trainer.rest)
+    model = nnx.merge(trainer.graphdef, params, trainer.rest)
     tokens = random_tokens(1, 6)
     x = model.wte(tokens) + model.wpe(jnp.arange(6))[None]
     np.testing.assert_allclose(model(tokens), model.unembed(model.ln_f(x)), atol=1e-5)
@@ -140,14 +139,14 @@ def test_logit_softcap_bounds_the_logits():
 
 
 def test_x0_mixing_starts_as_the_plain_model_and_learns_its_scalars():
-    trainer, _ = train_steps(dataclasses.replace(TINY, x0_mixing=True), n=3)
-    lambdas = np.asarray(named_leaves(trainer.params)["blocks/0/x0_lambdas"])
+    state, _ = train_steps(dataclasses.replace(TINY, x0_mixing=True), n=3)
+    lambdas = np.asarray(named_leaves(state.params)["blocks/0/x0_lambdas"])
     assert lambdas.shape == (2,) and not np.allclose(lambdas, [1.0, 0.0])  # trained
     fresh = Trainer(TrainConfig(batch_size=2).validate(), dataclasses.replace(TINY, x0_mixing=True))
     plain = Trainer(TrainConfig(batch_size=2).validate(), TINY)
     tokens = random_tokens(1, 8)
-    a = nnx.merge(fresh.graphdef, fresh.params, fresh.rest)(tokens)
-    b = nnx.merge(plain.graphdef, plain.params, plain.rest)(tokens)
+    a = nnx.merge(fresh.graphdef, fresh.initial_state().params, fresh.rest)(tokens)
+    b = nnx.merge(plain.graphdef, plain.initial_state().params, plain.rest)(tokens)
     np.testing.assert_allclose(a, b, atol=1e-6)  # (a, b) = (1, 0): no change at the start
 
 
@@ -158,12 +157,12 @@ def test_moe_and_qat_train_with_muon_and_every_option():
         value_embeddings=True, unet_skips=True, mtp_tokens=2,
     )  # fmt: skip
     for qat in (0, 4):
-        trainer, losses = train_steps(
+        state, losses = train_steps(
             cfg, n=4, optimizer="muon", lr_schedule="wsd", qat_bits=qat, normuon=True,
             muon_orthogonalizer="polar_express", cautious_weight_decay=True,
         )  # fmt: skip
         assert all(np.isfinite(losses)) and losses[-1] < losses[0]
-        experts = np.asarray(named_leaves(trainer.params)["blocks/0/mlp/expert_proj"])
+        experts = np.asarray(named_leaves(state.params)["blocks/0/mlp/expert_proj"])
         assert np.any(experts)  # zero-initialised, then moved by Muon
 
 

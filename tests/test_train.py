@@ -87,12 +87,11 @@ def test_train_step_compiles_once(tmp_path, corpus_file):
     tok = load_tokenizer(run_dir / "tokenizer.pkl")
     splits = load_token_splits(corpus_for(cfg.data), tok, run_dir / "tokenizer.pkl", run_dir, 0.1)
     trainer = Trainer(cfg.train, cfg.model.for_vocab(tok.vocab_size))
+    state = trainer.initial_state()
     for step in range(5):
         x, y = trainer.batch(splits.train, step)
-        trainer.params, trainer.opt_state, metrics = trainer.train_step(
-            trainer.params, trainer.opt_state, x, y, step
-        )
-    assert float(metrics["loss"]) > 0
+        state, metrics = trainer.train_step(state, x, y)
+    assert float(metrics["loss"]) > 0 and state.steps_taken() == 5
     assert trainer.train_step._cache_size() == 1
 
 

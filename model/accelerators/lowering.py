@@ -154,8 +154,7 @@ def _train_step_tracer(train_cfg, model_cfg: ModelConfig, fsdp: bool) -> Callabl
     def trace():
         trainer = Trainer(dataclasses.replace(train_cfg, fsdp=fsdp), model_cfg, abstract=True)
         x, y = trainer.batch_shapes()
-        step = jax.ShapeDtypeStruct((), jnp.int32)
-        return trainer.train_step.trace(trainer.params, trainer.opt_state, x, y, step)
+        return trainer.train_step.trace(trainer.initial_state(), x, y)
 
     return trace
 
@@ -165,7 +164,7 @@ def _eval_tracer(train_cfg, model_cfg: ModelConfig) -> Callable:
         trainer = Trainer(train_cfg, model_cfg, abstract=True)
         rows = (train_cfg.eval_rows, model_cfg.block_size)
         x = jax.ShapeDtypeStruct(rows, jnp.int32, sharding=NamedSharding(trainer.mesh, P("data")))
-        return trainer.eval_step.trace(trainer.params, x, x)
+        return trainer.eval_step.trace(trainer.initial_state().params, x, x)
 
     return trace
 

@@ -7,8 +7,12 @@ way), saves a checkpoint unless this step is saved already, and raises `Stopped`
 143). A step is never saved twice. A NaN or infinite loss raises `TrainingDiverged` before
 anything is saved, so the last good checkpoint stays the newest.
 
-    >>> loop = TrainingLoop(trainer, splits, checkpoints, run_dir, 0, meta)  # doctest: +SKIP
-    >>> loop.run()["val_loss"]
+The loop owns the training state: it starts from the one it is given (made by the trainer)
+and replaces it only with what the compiled step returns.
+
+    >>> loop = TrainingLoop(trainer, trainer.initial_state(), splits, checkpoints, run_dir,
+    ...                     meta)                                        # doctest: +SKIP
+    >>> loop.run()["val_loss"]                                          # doctest: +SKIP
     2.4
 """
 
@@ -30,7 +34,7 @@ from model.training.data import TokenSplits
 from model.training.errors import TrainingDiverged
 from model.training.metrics import MetricsLog, bits_per_byte, plot_losses
 from model.training.tracking import open_tracker
-from model.training.trainer import Trainer
+from model.training.trainer import Trainer, TrainState
 from plumbing.progress import ProgressBar
 from plumbing.signals import Stopped, StopRequests
 
@@ -54,19 +58,23 @@ class LoopState:
 
 
 class TrainingLoop:
-    """Runs `trainer` from `start_step` to train.max_steps; `meta` (resolved config, tokenizer
-    hash, corpus fingerprint) goes with each checkpoint."""
+    """Runs `trainer`'s step from `state` (its step or 0) to train.max_steps; `meta`
+    (resolved config, tokenizer hash, corpus fingerprint) goes with each checkpoint."""
 
     def __init__(
         self,
         trainer: Trainer,
+        state: TrainState,
         splits: TokenSplits,
         checkpoints: Checkpoints,
         run_dir: Path,
-        start_step: int,
         meta: dict,
     ) -> None:
         self.trainer, self.splits, self.checkpoints = trainer, splits, checkpoints
+        # The newest state: only `_train` replaces it, with what the step returns (the step
+        # donates the one it takes). Steps are counted on the host, in LoopState.step.
+        self.train_state = state
+        start_step = state.steps_taken()
         self.cfg = trainer.train_cfg
         self.run_dir, self.meta = Path(run_dir), meta
         self.tokens_per_step = self.cfg.batch_size * trainer.model_cfg.block_size
@@ -113,9 +121,7 @@ class TrainingLoop:
                 return True
             x, y = trainer.batch(self.splits.train, s.step)
             since = time.perf_counter()
-            trainer.params, trainer.opt_state, metrics = trainer.train_step(
-                trainer.params, trainer.opt_state, x, y, s.step
-            )
+            self.train_state, metrics = trainer.train_step(self.train_state, x, y)
             if "first step" not in s.spent:  # jit compiles before it dispatches: wait for it
                 jax.block_until_ready(metrics)
                 s.timed("first step", since)
@@ -170,7 +176,7 @@ class TrainingLoop:
 
     def _evaluate(self) -> None:
         step = self.state.step
-        val_loss = self.trainer.evaluate(self.splits)
+        val_loss = self.trainer.evaluate(self.train_state.params, self.splits)
         if not math.isfinite(val_loss):
             raise TrainingDiverged(
                 f"the validation loss became {val_loss} at step {step}: training stopped; the "
@@ -193,9 +199,8 @@ class TrainingLoop:
         if s.saved_step == s.step:
             return
         with stop.critical():
-            trainer = self.trainer
-            meta = {**self.meta, "step": s.step}
-            self.checkpoints.save(s.step, trainer.params, trainer.opt_state, meta)
+            state, meta = self.train_state, {**self.meta, "step": s.step}
+            self.checkpoints.save(s.step, state.params, state.opt_state, meta)
         s.saved_step = s.step
 
     def _stop(self, stop: StopRequests) -> None:

@@ -1,20 +1,30 @@
-"""The model and optimizer state on the device mesh, the compiled train step, evaluation.
+"""The training state, the compiled step that advances it, evaluation.
 
-One jitted step (donated params and optimizer state, gradient accumulation as a scan over
-micro-batches) runs on a 1-D `data` mesh (model/processes/mesh.py). Everything random is a
-function of (seed, step), so a resumed run replays the uninterrupted one.
+A `TrainState` (params, optimizer state, step, the run's key) is immutable, as Levanter's
+TrainerState: the trainer makes the first one (`initial_state`: fresh, or from given weights
+for --init-from; `restored`: a checkpoint's, for --resume) and the compiled step
+`train_step(state, x, y) -> (next state, metrics)` makes every other, donating the one it
+takes (its arrays are deleted: hold on to the returned state only). Nothing else builds or
+writes one. The step (gradient accumulation as a scan over micro-batches) runs on a 1-D `data`
+mesh (model/processes/mesh.py). Everything random is a function of (seed, step), so a resumed
+run replays the uninterrupted one.
 
     >>> from model.network.config import ModelConfig
     >>> from model.training.config import TrainConfig
     >>> cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
     >>> trainer = Trainer(TrainConfig(batch_size=4), cfg)
+    >>> state = trainer.initial_state()
     >>> x, y = trainer.batch(np.arange(200, dtype=np.uint16) % 64, step=0)
-    >>> params, opt_state, metrics = trainer.train_step(trainer.params, trainer.opt_state, x, y, 0)
-    >>> sorted(metrics)
-    ['grad_norm', 'loss']
+    >>> state, metrics = trainer.train_step(state, x, y)
+    >>> state.steps_taken(), sorted(metrics)
+    (1, ['grad_norm', 'loss'])
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,20 +77,38 @@ def evaluate_windows(model: GPT, tokens: np.ndarray, rows: int = 64) -> float:
     return total / len(starts)
 
 
-def initial_state(model_cfg: ModelConfig, seed: int):
-    """(graphdef, params, rest) of a freshly initialised GPT, its initialisers run as one
-    compiled program: run one by one, each would compile a program of its own (most of a
-    small model's start-up), and as one the persistent compilation cache keeps it. The
-    random draws are the eager ones (jax.random is the same under jit), the values equal to
-    float rounding."""
+def init_params(model_cfg: ModelConfig, seed: int):
+    """The parameters of a freshly initialised GPT (jit it: its initialisers then run as one
+    compiled program; run one by one, each would compile a program of its own, most of a
+    small model's start-up, and as one the persistent compilation cache keeps it). The
+    random draws are the eager ones (jax.random is the same under jit), equal to float
+    rounding."""
+    return nnx.split(GPT(model_cfg, rngs=nnx.Rngs(params=seed)), nnx.Param, ...)[1]
 
-    def build():
-        return nnx.split(GPT(model_cfg, rngs=nnx.Rngs(params=seed)), nnx.Param, ...)
 
-    abstract = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(params=seed)))
-    graphdef = nnx.split(abstract, nnx.Param, ...)[0]
-    params, rest = jax.jit(lambda: build()[1:])()
-    return graphdef, params, rest
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["params", "opt_state", "step", "key"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """What training carries from one step to the next, as one immutable pytree.
+
+    Only `Trainer` makes one; the compiled step returns the next. `key` is the run's base key,
+    key(train.seed): step s draws its randomness (dropout) from fold_in(key, s), so the key is
+    never saved and a resumed run replays the uninterrupted one exactly.
+    """
+
+    params: Any  # nnx.State of the model's Params
+    opt_state: Any  # optax state; moments laid out as their params (FSDP: sharded alike)
+    step: jax.Array  # int32 scalar, replicated: optimizer steps taken
+    key: jax.Array  # typed PRNG key, replicated
+
+    def steps_taken(self) -> int:
+        """`step` read back to the host (waits for the device: for setting up, not in the
+        loop, which counts steps itself)."""
+        return int(np.asarray(self.step.addressable_data(0)))
 
 
 def forward_weights(params, train_cfg: TrainConfig):
@@ -109,54 +137,90 @@ def training_loss(graphdef, rest, train_cfg: TrainConfig):
 
 
 class Trainer:
-    """Model + optimizer state on the mesh, the compiled step, evaluation.
+    """The shardings, the compiled step and evaluation of one run; makes its first state.
 
-    With `abstract=True` nothing is allocated or initialised: params and optimizer state are
+    With `abstract=True` nothing is allocated or initialised: `initial_state()` gives
     ShapeDtypeStructs carrying the shardings a real run would give them, so the step and the
     evaluation can be traced, lowered for another platform (scripts/check_lowering.py) or
     compiled for XLA's memory analysis at any model size.
     """
 
     def __init__(self, train_cfg: TrainConfig, model_cfg: ModelConfig, *, abstract: bool = False):
-        self.train_cfg, self.model_cfg = train_cfg, model_cfg
+        self.train_cfg, self.model_cfg, self.abstract = train_cfg, model_cfg, abstract
         t = train_cfg
         self.mesh = data_mesh()
         self.micro_batch = t.micro_batch
         check_batch_divisible(self.micro_batch, self.mesh)
         check_batch_divisible(t.eval_rows, self.mesh, "the validation batch (train.eval_batch_size")
-        if abstract:
-            self.graphdef, params, self.rest = abstract_model(model_cfg)
-        else:
-            self.graphdef, params, self.rest = initial_state(model_cfg, t.seed)
-        self.n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+        self.graphdef, shapes, self.rest = abstract_model(model_cfg)
+        self.n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
         self.tx = make_optimizer(t)
         # Parameters, gradients and optimizer moments are laid out alike (FSDP: all sharded),
         # the state born that way and kept that way by the step's out_shardings: the step's
         # outputs match its first inputs, so it compiles once.
-        self.param_shardings = param_shardings(params, self.mesh, t.fsdp)
-        opt_shapes = jax.eval_shape(self.tx.init, params)
+        self.param_shardings = param_shardings(shapes, self.mesh, t.fsdp)
+        opt_shapes = jax.eval_shape(self.tx.init, shapes)
         self.opt_shardings = shardings_like_params(
-            opt_shapes, params, self.param_shardings, self.mesh
+            opt_shapes, shapes, self.param_shardings, self.mesh
         )
-        if abstract:
-            self.params = _placed_shapes(params, self.param_shardings)
-            self.opt_state = _placed_shapes(opt_shapes, self.opt_shardings)
-        else:
-            self.params = jax.device_put(params, self.param_shardings)
-            self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
+        replicated = NamedSharding(self.mesh, P())
+        self.state_shardings = TrainState(
+            self.param_shardings, self.opt_shardings, replicated, replicated
+        )
+        key_shape = jax.eval_shape(jax.random.key, 0)
+        self._state_shapes = _placed_shapes(
+            TrainState(shapes, opt_shapes, jax.ShapeDtypeStruct((), jnp.int32), key_shape),
+            self.state_shardings,
+        )
+        self._init_params = jax.jit(
+            functools.partial(init_params, model_cfg, t.seed), out_shardings=self.param_shardings
+        )
+        self._init_opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)
+        # Made by a program, not device_put: with several processes the mesh holds devices
+        # this process cannot address.
+        self._base_key = jax.jit(lambda: jax.random.key(t.seed), out_shardings=replicated)
         self.batch_sharding = batch_sharding(self.mesh)
         self._loss = training_loss(self.graphdef, self.rest, t)
         self.train_step = self._compile_step()
         self.eval_step = jax.jit(self._eval_loss)
 
+    # -- the states it makes ---------------------------------------------------------------
+
+    def initial_state(self, params=None) -> TrainState:
+        """Step 0: `params` (--init-from's weights, placed on the mesh here) or freshly
+        initialised ones from train.seed, and a fresh optimizer state. Abstract: the shapes."""
+        if self.abstract:
+            return self._state_shapes
+        if params is None:
+            params = self._init_params()
+        else:
+            params = jax.device_put(params, self.param_shardings)
+        return self._state(params, self._init_opt_state(params), 0)
+
+    def restored(self, checkpoints, step: int) -> TrainState:
+        """The state saved at `step` in `checkpoints` (model.rundir.checkpoints.Checkpoints),
+        in this trainer's layout; CheckpointDamaged if it does not read back intact."""
+        like = self._state_shapes
+        params, opt_state, _ = checkpoints.restore(step, like.params, like.opt_state)
+        return self._state(params, opt_state, step)
+
+    def param_shapes(self):
+        """The params as ShapeDtypeStructs with their shardings (what loading weights from
+        elsewhere shapes and places them like)."""
+        return self._state_shapes.params
+
+    def _state(self, params, opt_state, step: int) -> TrainState:
+        step_on_mesh = put_batch(np.asarray(step, np.int32), self.state_shardings.step)
+        return TrainState(params, opt_state, step_on_mesh, self._base_key())
+
     # -- the compiled functions ------------------------------------------------------------
 
     def _compile_step(self):
-        seed = self.train_cfg.seed
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
-        def step(params, opt_state, x_AxBxT, y_AxBxT, step):
-            key = jax.random.fold_in(jax.random.key(seed), step)
+        def step(state: TrainState, x_AxBxT, y_AxBxT):
+            params = state.params
+            key = jax.random.fold_in(state.key, state.step)
 
             def micro(grads_acc, inputs):
                 x, y, i = inputs
@@ -178,19 +242,18 @@ class Trainer:
                 grads = jax.tree_util.tree_map(lambda g: g / n_micro, grads)
             # FSDP: each device keeps its shard of the gradients (a reduce-scatter).
             grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
-            updates, opt_state = self.tx.update(grads, opt_state, params)
+            updates, opt_state = self.tx.update(grads, state.opt_state, params)
             params = optax.apply_updates(params, updates)
             metrics = {"loss": ce.mean(), "grad_norm": optax.tree.norm(grads)}
             metrics.update({k: v.mean() for k, v in aux.items()})
-            return params, opt_state, metrics
+            new = dataclasses.replace(
+                state, params=params, opt_state=opt_state, step=state.step + 1
+            )
+            return new, metrics
 
         # Donation lets XLA update params and Adam moments in place.
         replicated = NamedSharding(self.mesh, P())
-        return jax.jit(
-            step,
-            donate_argnums=(0, 1),
-            out_shardings=(self.param_shardings, self.opt_shardings, replicated),
-        )
+        return jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, replicated))
 
     def _eval_loss(self, params, x_BxT, y_BxT):
         model = nnx.merge(self.graphdef, forward_weights(params, self.train_cfg), self.rest)
@@ -220,12 +283,13 @@ class Trainer:
         t, block = self.train_cfg, self.model_cfg.block_size
         return (t.grad_accum, t.micro_batch, block) if rows is None else (1, rows, block)
 
-    def evaluate(self, splits: TokenSplits) -> float:
-        """Mean validation loss over `eval_steps` fixed batches (the same at every eval)."""
+    def evaluate(self, params, splits: TokenSplits) -> float:
+        """Mean validation loss of `params` (a state's) over `eval_steps` fixed batches (the
+        same at every eval)."""
         total = jnp.float32(0)
         for i in range(self.train_cfg.eval_steps):
             x, y = self.batch(splits.val, i, stream=1, rows=self.train_cfg.eval_rows)
-            total = total + self.eval_step(self.params, x[0], y[0])
+            total = total + self.eval_step(params, x[0], y[0])
         return float(total) / self.train_cfg.eval_steps
 
 
