@@ -141,8 +141,11 @@ def _differs(cfg, train_over: dict, model_over: dict) -> bool:
 
 def _variant(cfg, devices: int, train_over: dict, model_over: dict):
     """(train config, model config) of a variant; the batch rounded up so that every device
-    gets whole micro-batch rows."""
-    train_cfg = dataclasses.replace(cfg.train, eval_batch_size=0, **train_over)
+    gets whole micro-batch rows (the full batch: a batch-size schedule's smaller programs need
+    less)."""
+    train_cfg = dataclasses.replace(
+        cfg.train, eval_batch_size=0, batch_size_schedule=[], **train_over
+    )
     step = devices * train_cfg.grad_accum
     batch = -(-train_cfg.batch_size // step) * step
     train_cfg = dataclasses.replace(train_cfg, batch_size=batch).validate()

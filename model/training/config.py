@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Self
 
 from model.processes.cpu_devices import check_cpu_devices
@@ -46,6 +46,10 @@ class TrainConfig:
     beta2: float = 0.99
     grad_clip: float = 1.0  # global norm; 0 = off
     grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
+    # Smaller batches early (modded-nanogpt's batch-size warmup): [[from_step, sequences],
+    # ...] from step 0, ending at batch_size; [] = batch_size throughout. Each size is a
+    # program of its own, split into grad_accum micro-batches; the LR schedule is unchanged.
+    batch_size_schedule: list[list[int]] = field(default_factory=list)
     eval_interval: int = 250  # steps between validation runs (and checkpoints)
     eval_steps: int = 200  # validation batches per evaluation
     eval_batch_size: int = 0  # sequences per validation batch; 0 = the training micro-batch
@@ -76,9 +80,57 @@ class TrainConfig:
 
     @property
     def shared_rows(self) -> int:
-        """What a data-parallel device count must divide: the micro-batch and the
-        validation batch both."""
-        return math.gcd(self.micro_batch, self.eval_rows)
+        """What a data-parallel device count must divide: every micro-batch (of each
+        scheduled batch size) and the validation batch."""
+        return math.gcd(self.eval_rows, *(b // self.grad_accum for b in self.batch_sizes))
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The distinct batch sizes training steps use (one compiled step each)."""
+        return sorted({rows for _, rows in self.batch_size_schedule} | {self.batch_size})
+
+    def batch_size_at(self, step: int) -> int:
+        """Sequences in step `step`'s batch (0-based): batch_size_schedule's, or batch_size.
+
+        >>> t = TrainConfig(batch_size=8, batch_size_schedule=[[0, 2], [10, 4], [20, 8]])
+        >>> [t.batch_size_at(s) for s in (0, 9, 10, 25)], t.sequences_before(12)
+        ([2, 2, 4, 8], 28)
+        """
+        return max(((start, rows) for start, rows in self._stages() if start <= step))[1]
+
+    def sequences_before(self, step: int) -> int:
+        """Sequences trained on in steps 0..step-1 (what the schedule's stages add up to)."""
+        stages = self._stages()
+        ends = [start for start, _ in stages[1:]] + [step]
+        return sum(rows * max(0, min(end, step) - start)
+                   for (start, rows), end in zip(stages, ends, strict=True))  # fmt: skip
+
+    def _stages(self) -> list[tuple[int, int]]:
+        return [(a, b) for a, b in self.batch_size_schedule] or [(0, self.batch_size)]
+
+    def _check_batch_size_schedule(self) -> None:
+        """[[0, b0], [s1, b1], ...]: steps rising from 0, each size dividing by grad_accum and
+        at most batch_size, the last one batch_size (the full batch memory is planned for)."""
+        schedule, key = self.batch_size_schedule, "train.batch_size_schedule"
+        if not schedule:
+            return
+        if not all(isinstance(e, list) and len(e) == 2 for e in schedule):
+            raise UsageError(f"{key} must be [[from_step, batch_size], ...], got {schedule}")
+        steps = [start for start, _ in schedule]
+        if steps[0] != 0 or steps != sorted(set(steps)):
+            raise UsageError(f"{key}'s steps must start at 0 and rise, got {steps}")
+        for start, rows in schedule:
+            checks.non_negative(f"{key}'s step", start)
+            checks.positive(f"{key}'s batch size", rows)
+            if rows > self.batch_size or rows % self.grad_accum:
+                raise UsageError(
+                    f"{key}'s batch size {rows} must be at most train.batch_size "
+                    f"({self.batch_size}) and divisible by train.grad_accum ({self.grad_accum})"
+                )
+        if schedule[-1][1] != self.batch_size:
+            raise UsageError(
+                f"{key} must end at train.batch_size ({self.batch_size}), got {schedule[-1][1]}"
+            )
 
     def validate(self) -> Self:
         """Raise UsageError naming the first bad value; return self if all are good.
@@ -133,6 +185,7 @@ class TrainConfig:
                 f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "
                 f"({self.grad_accum})"
             )
+        self._check_batch_size_schedule()
         if self.tracker not in TRACKERS:
             raise UsageError(
                 f"train.tracker must be one of {', '.join(TRACKERS)}; got {self.tracker!r}"

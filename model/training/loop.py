@@ -77,8 +77,8 @@ class TrainingLoop:
         start_step = state.steps_taken()
         self.cfg = trainer.train_cfg
         self.run_dir, self.meta = Path(run_dir), meta
-        self.tokens_per_step = self.cfg.batch_size * trainer.model_cfg.block_size
-        self.flops_per_step = flops_per_token(trainer.model_cfg) * self.tokens_per_step
+        self.block_size = trainer.model_cfg.block_size
+        self.flops_per_token = flops_per_token(trainer.model_cfg)
         self.peak = peak_flops(jax.local_devices()[0].device_kind)
         resume_step = start_step or None
         tracker = open_tracker(self.cfg.tracker, self.run_dir, meta["config"], resume_step)
@@ -160,7 +160,10 @@ class TrainingLoop:
             )
         now = time.perf_counter()
         since_time, since_step = self.state.rate_since
-        tok_s = (step - since_step) * self.tokens_per_step / max(now - since_time, 1e-9)
+        # The steps' real batches (train.batch_size_schedule's sizes), not the full one.
+        t = self.cfg
+        tokens = (t.sequences_before(step) - t.sequences_before(since_step)) * self.block_size
+        tok_s = tokens / max(now - since_time, 1e-9)
         self.state.rate_since = (now, step)
         record = {
             "step": step,
@@ -169,8 +172,11 @@ class TrainingLoop:
             "elapsed_s": round(now - self.t0, 3),
             **values,
         }
+        if t.batch_size_schedule:  # the logged step's batch and the tokens trained on so far
+            record["batch_size"] = t.batch_size_at(step - 1)
+            record["tokens"] = t.sequences_before(step) * self.block_size
         if self.peak:
-            flops_s = tok_s / self.tokens_per_step * self.flops_per_step
+            flops_s = tok_s * self.flops_per_token
             record["mfu"] = round(flops_s / self.peak / jax.device_count(), 4)
         return record
 

@@ -151,6 +151,11 @@ class Trainer:
         self.mesh = data_mesh()
         self.micro_batch = t.micro_batch
         check_batch_divisible(self.micro_batch, self.mesh)
+        for size in t.batch_sizes:  # train.batch_size_schedule's, each its own program
+            check_batch_divisible(
+                size // t.grad_accum, self.mesh,
+                f"train.batch_size_schedule's micro-batch ({size} / train.grad_accum",
+            )  # fmt: skip
         check_batch_divisible(t.eval_rows, self.mesh, "the validation batch (train.eval_batch_size")
         self.graphdef, shapes, self.rest = abstract_model(model_cfg)
         self.n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
@@ -263,9 +268,10 @@ class Trainer:
     # -- host side -------------------------------------------------------------------------
 
     def batch(self, tokens: np.ndarray, step: int, stream: int = 0, rows: int | None = None):
-        """Sequences of `step` on the mesh: the training batch as [grad_accum, micro, T], or
-        with `rows`, [1, rows, T] (validation)."""
-        shape = self._batch_shape(rows)
+        """Sequences of `step` on the mesh: the training batch as [grad_accum, micro, T] (the
+        step's size under train.batch_size_schedule), or with `rows`, [1, rows, T]
+        (validation)."""
+        shape = self._batch_shape(rows, step)
         t = self.train_cfg
         x, y = sample_batch(tokens, shape[0] * shape[1], shape[2], t.seed, step, stream)
         return (
@@ -274,14 +280,19 @@ class Trainer:
         )
 
     def batch_shapes(self, rows: int | None = None) -> tuple:
-        """`batch`'s (x, y) as ShapeDtypeStructs with their sharding, for tracing."""
+        """`batch`'s (x, y) as ShapeDtypeStructs with their sharding, for tracing (training:
+        the full train.batch_size, the largest program a batch-size schedule runs)."""
         x = jax.ShapeDtypeStruct(self._batch_shape(rows), jnp.int32, sharding=self.batch_sharding)
         return x, x
 
-    def _batch_shape(self, rows: int | None) -> tuple[int, int, int]:
-        """[grad_accum, micro-batch, T] for training; [1, rows, T] for `rows` (validation)."""
+    def _batch_shape(self, rows: int | None, step: int | None = None) -> tuple[int, int, int]:
+        """[grad_accum, micro-batch, T] for training (`step`'s batch size, or without a step
+        the full one); [1, rows, T] for `rows` (validation)."""
         t, block = self.train_cfg, self.model_cfg.block_size
-        return (t.grad_accum, t.micro_batch, block) if rows is None else (1, rows, block)
+        if rows is not None:
+            return (1, rows, block)
+        size = t.batch_size if step is None else t.batch_size_at(step)
+        return (t.grad_accum, size // t.grad_accum, block)
 
     def evaluate(self, params, splits: TokenSplits) -> float:
         """Mean validation loss of `params` (a state's) over `eval_steps` fixed batches (the
