@@ -2,7 +2,7 @@
 
 config.py    TrainConfig: the [train] section
 data.py      the token cache and the batches drawn from it
-trainer.py   model and optimizer state on the mesh, the compiled step, evaluation
+trainer.py   TrainState and the compiled step that advances it, evaluation
 loop.py      the loop: logging, evaluation, checkpoints, stopping on a signal
 optim.py     AdamW or Muon (which parameters get which), warmup then cosine or warmup-stable-decay
 muon.py      Muon's transforms: Newton-Schulz or Polar Express, NorMuon, cautious weight decay
