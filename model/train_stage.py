@@ -47,7 +47,9 @@ from tokenizer import Tokenizer, load_tokenizer
 from tokenizer.corpus import corpus_for
 
 
-def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
+def run_train(
+    cfg: Config, run_dir: Path, resume: bool = False, started: float | None = None
+) -> dict:
     """Train the model of `cfg` on the run's tokenizer and corpus; returns the final metrics.
 
     The caller holds the run directory's lock (model.rundir.lock): this is its only writer.
@@ -91,7 +93,8 @@ def run_train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
         # Written only now that everything has been checked: a failing --train leaves it alone.
         if is_primary():  # several processes: process 0 writes the run's files
             write_atomic(run_dir / CONFIG_FILE, json.dumps(meta["config"], indent=2))
-        return TrainingLoop(trainer, state, splits, checkpoints, run_dir, meta).run()
+        loop = TrainingLoop(trainer, state, splits, checkpoints, run_dir, meta, started)
+        return loop.run()
     finally:
         checkpoints.close()
 

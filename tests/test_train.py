@@ -314,3 +314,28 @@ def test_host_checksums_equal_the_device_ones(monkeypatch, dtype):
     flipped = np.asarray(arrays[2]).copy()
     flipped.reshape(-1).view(np.uint8)[1234] ^= 1  # one bit
     assert checkpoint.tree_checksums([jax.device_put(flipped)]) != [on_device[2]]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 6])
+def test_evaluation_in_chunks_equals_one_call_per_batch(monkeypatch, chunk):
+    """Trainer.evaluate runs chunks of validation batches as one program each: the same
+    batches, the same float32 sum in the same order as one eval_step call per batch."""
+    import model.training.trainer as trainer_module
+    from model.network.config import ModelConfig
+    from model.training.config import TrainConfig
+    from model.training.data import TokenSplits
+
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    t = TrainConfig(batch_size=4, eval_steps=6, eval_batch_size=4).validate()
+    trainer = Trainer(t, cfg)
+    params = trainer.initial_state().params
+    tokens = (np.arange(3000) * 7 % 64).astype(np.uint16)
+    splits = TokenSplits(train=tokens, val=tokens[::-1].copy(), val_bytes=len(tokens))
+    expected = np.float32(0)
+    for i in range(t.eval_steps):
+        x, y = trainer.batch(splits.val, i, stream=1, rows=t.eval_rows)
+        expected = expected + np.float32(trainer.eval_step(params, x[0], y[0]))
+    monkeypatch.setattr(trainer_module, "eval_chunk", lambda steps, tokens: chunk)
+    got = trainer.evaluate(params, splits)
+    assert got == pytest.approx(float(expected) / t.eval_steps, rel=1e-6)
+    assert trainer.eval_batches._cache_size() == 1  # one program for every chunk

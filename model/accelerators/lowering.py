@@ -63,7 +63,7 @@ from model.serving.batch import (
     put_row,
     take_row,
 )
-from model.training.trainer import Trainer
+from model.training.trainer import Trainer, eval_chunk
 from plumbing.errors import UsageError
 
 PLATFORMS = ("cuda", "rocm", "tpu")
@@ -165,9 +165,11 @@ def _train_step_tracer(train_cfg, model_cfg: ModelConfig, fsdp: bool) -> Callabl
 def _eval_tracer(train_cfg, model_cfg: ModelConfig) -> Callable:
     def trace():
         trainer = Trainer(train_cfg, model_cfg, abstract=True)
-        rows = (train_cfg.eval_rows, model_cfg.block_size)
-        x = jax.ShapeDtypeStruct(rows, jnp.int32, sharding=NamedSharding(trainer.mesh, P("data")))
-        return trainer.eval_step.trace(trainer.initial_state().params, x, x)
+        rows, block = train_cfg.eval_rows, model_cfg.block_size
+        shape = (eval_chunk(train_cfg.eval_steps, rows * block), rows, block)
+        x = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
+        total = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(trainer.mesh, P()))
+        return trainer.eval_batches.trace(trainer.initial_state().params, x, x, total)
 
     return trace
 

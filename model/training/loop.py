@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +29,16 @@ import jax
 
 from model.accelerators.devices import peak_flops
 from model.network.gpt import flops_per_token
-from model.processes.distributed import stop_agreed
+from model.processes.distributed import is_primary, stop_agreed
 from model.rundir.checkpoints import Checkpoints
 from model.training.data import TokenSplits
 from model.training.errors import TrainingDiverged
-from model.training.metrics import MetricsLog, bits_per_byte, plot_losses
+from model.training.metrics import (
+    MetricsLog,
+    bits_per_byte,
+    import_plotting_soon,
+    plot_losses,
+)
 from model.training.tracking import open_tracker
 from model.training.trainer import Trainer, TrainState
 from plumbing.progress import ProgressBar
@@ -69,6 +75,7 @@ class TrainingLoop:
         checkpoints: Checkpoints,
         run_dir: Path,
         meta: dict,
+        started: float | None = None,
     ) -> None:
         self.trainer, self.splits, self.checkpoints = trainer, splits, checkpoints
         # The newest state: only `_train` replaces it, with what the step returns (the step
@@ -85,7 +92,12 @@ class TrainingLoop:
         self.log = MetricsLog(self.run_dir, resume_step, tracker)
         self.bar = ProgressBar(self.cfg.max_steps, "train", start=start_step)
         self.t0 = time.perf_counter()
+        # The process's time before this loop (imports, data, the model), when the caller
+        # knows when the process started (time.perf_counter() then).
+        self.startup = None if started is None else self.t0 - started
         self.state = LoopState(start_step, start_step or None, (self.t0, start_step))
+        if is_primary():  # the process that plots
+            import_plotting_soon()
 
     def run(self) -> dict:
         """Train to the end (or to a stop); returns the last logged record."""
@@ -94,6 +106,8 @@ class TrainingLoop:
                 stopped_early = self._train(stop)
                 if stopped_early or stop.requested is not None:
                     self._stop(stop)
+                # The loss plot draws while orbax writes the last checkpoint.
+                plotting = Plotting(self.run_dir)
                 since = time.perf_counter()
                 with stop.critical():
                     self.checkpoints.wait()
@@ -108,7 +122,7 @@ class TrainingLoop:
                 raise
             finally:
                 self.log.close()
-        return self._finish()
+        return self._finish(plotting)
 
     def _train(self, stop: StopRequests) -> bool:
         """Step until train.max_steps; True when every process agreed to stop before it."""
@@ -224,9 +238,9 @@ class TrainingLoop:
             kept = f"saved a checkpoint at step {step}{more}"
         raise Stopped(signum, f"interrupted by {signal.Signals(signum).name}: {kept}")
 
-    def _finish(self) -> dict:
+    def _finish(self, plotting: Plotting) -> dict:
         since = time.perf_counter()
-        plot = plot_losses(self.run_dir)
+        plot = plotting.result()  # what the plot took beyond the checkpoint's wait
         self.state.timed("loss plot", since)
         record = self.state.record
         self.bar.message(
@@ -238,17 +252,42 @@ class TrainingLoop:
         return record
 
     def _time_spent(self) -> str:
-        """Where the loop's time went: the first step, the other steps, evaluation, ...
+        """Where the process's time went: start-up, the first step (compiling it), the other
+        steps, evaluation, checkpoints, the plot; then the fixed costs, all but the steps.
 
         >>> loop = TrainingLoop.__new__(TrainingLoop)
         >>> loop.t0, loop.state = time.perf_counter() - 10, LoopState(0, None, (0, 0))
-        >>> loop.state.spent = {"first step": 1.0, "evaluation": 2.0}
+        >>> loop.startup, loop.state.spent = 1.5, {"first step": 1.0, "evaluation": 2.0}
         >>> loop._time_spent()
-        'first step 1.0 s, other steps 7.0 s, evaluation 2.0 s'
+        'start-up 1.5 s, first step 1.0 s, other steps 7.0 s, evaluation 2.0 s; fixed costs 4.5 s'
         """
         spent = self.state.spent
-        total = time.perf_counter() - self.t0
-        steps = total - sum(spent.values())
-        parts = [("first step", spent.get("first step", 0.0)), ("other steps", steps)]
+        steps = time.perf_counter() - self.t0 - sum(spent.values())
+        parts = [] if self.startup is None else [("start-up", self.startup)]
+        parts += [("first step", spent.get("first step", 0.0)), ("other steps", steps)]
         parts += [(k, v) for k, v in spent.items() if k != "first step"]
-        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts)
+        fixed = sum(seconds for name, seconds in parts if name != "other steps")
+        listed = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts)
+        return f"{listed}; fixed costs {fixed:.1f} s"
+
+
+class Plotting:
+    """plot_losses(run_dir) on a thread of its own; `result()` waits for its path (or None),
+    and raises what it raised."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self._result: list = []
+        self._thread = threading.Thread(target=self._plot, args=(run_dir,), name="loss-plot")
+        self._thread.start()
+
+    def _plot(self, run_dir: Path) -> None:
+        try:
+            self._result.append(plot_losses(run_dir))
+        except BaseException as err:  # handed to the caller of result()
+            self._result.append(err)
+
+    def result(self) -> Path | None:
+        self._thread.join()
+        if isinstance(self._result[0], BaseException):
+            raise self._result[0]
+        return self._result[0]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import threading
 from pathlib import Path
 
 from model.processes.distributed import is_primary
@@ -95,6 +97,23 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def import_plotting_soon() -> threading.Thread:
+    """Import matplotlib on a thread of its own, now: its half-second import then overlaps
+    the first step's compilation (which releases the GIL) instead of adding to the end of
+    training. plot_losses's own import waits for it, under Python's import lock."""
+
+    def load():
+        with contextlib.suppress(ImportError):
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot
+
+    thread = threading.Thread(target=load, name="import-matplotlib", daemon=True)
+    thread.start()
+    return thread
 
 
 def plot_losses(run_dir: Path) -> Path | None:

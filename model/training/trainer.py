@@ -188,6 +188,9 @@ class Trainer:
         self._loss = training_loss(self.graphdef, self.rest, t)
         self.train_step = self._compile_step()
         self.eval_step = jax.jit(self._eval_loss)
+        # The running sum goes in and out replicated: one program for every chunk.
+        self.eval_batches = jax.jit(self._eval_losses_summed, out_shardings=replicated)
+        self._zero = jax.jit(lambda: jnp.float32(0), out_shardings=replicated)
 
     # -- the states it makes ---------------------------------------------------------------
 
@@ -296,12 +299,39 @@ class Trainer:
 
     def evaluate(self, params, splits: TokenSplits) -> float:
         """Mean validation loss of `params` (a state's) over `eval_steps` fixed batches (the
-        same at every eval)."""
-        total = jnp.float32(0)
-        for i in range(self.train_cfg.eval_steps):
-            x, y = self.batch(splits.val, i, stream=1, rows=self.train_cfg.eval_rows)
-            total = total + self.eval_step(params, x[0], y[0])
-        return float(total) / self.train_cfg.eval_steps
+        same at every eval). The batches go to the device a chunk at a time and each chunk
+        runs as one program: one call per batch cost a small model more in dispatch than in
+        arithmetic. The losses add up in batch order, in float32, as one call per batch did."""
+        t, block = self.train_cfg, self.model_cfg.block_size
+        chunk = eval_chunk(t.eval_steps, t.eval_rows * block)
+        total = self._zero()
+        for start in range(0, t.eval_steps, chunk):
+            pairs = [
+                sample_batch(splits.val, t.eval_rows, block, t.seed, i, stream=1)
+                for i in range(start, start + chunk)
+            ]
+            x, y = (put_batch(np.stack(a), self.batch_sharding) for a in zip(*pairs, strict=True))
+            total = self.eval_batches(params, x, y, total)
+        return float(total) / t.eval_steps
+
+    def _eval_losses_summed(self, params, x_SxBxT, y_SxBxT, total):
+        """`total` plus the loss of each of the S batches, added in order."""
+
+        def add(total, xy):
+            return total + self._eval_loss(params, *xy), None
+
+        return jax.lax.scan(add, total, (x_SxBxT, y_SxBxT))[0]
+
+
+def eval_chunk(eval_steps: int, tokens_per_batch: int, budget: int = 1 << 21) -> int:
+    """Validation batches per program: the most that divide `eval_steps` (so one program
+    serves every chunk) and hold at most `budget` tokens (a bounded host and device copy).
+
+    >>> eval_chunk(200, 12 * 64), eval_chunk(200, 480 * 1024), eval_chunk(7, 10**7)
+    (200, 4, 1)
+    """
+    fits = max(1, budget // max(tokens_per_batch, 1))
+    return max(n for n in range(1, min(fits, eval_steps) + 1) if eval_steps % n == 0)
 
 
 def _placed_shapes(tree, shardings):
