@@ -154,7 +154,11 @@ class ModelConfig:
     @property
     def n_moe_layers(self) -> int:
         """How many blocks have an MoE MLP (every moe_every-th; none without experts)."""
-        return self.n_layer // self.moe_every if self.moe_experts > 0 else 0
+        return sum(self.is_moe_layer(i) for i in range(self.n_layer))
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether block `layer_index` has an MoE MLP: blocks moe_every-1, 2*moe_every-1, ..."""
+        return self.moe_experts > 0 and (layer_index + 1) % self.moe_every == 0
 
     @property
     def value_embedding_layers(self) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from flax import nnx
 
 from model.network.activations import activation_fn
 from model.network.config import ModelConfig
-from model.network.moe import MoEMLP, is_moe_layer
+from model.network.moe import MoEMLP
 
 
 def make_norm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -100,7 +100,7 @@ def make_mlp(cfg: ModelConfig, layer_index: int, *, rngs: nnx.Rngs) -> nnx.Modul
     """The feed-forward layer of block `layer_index`: dense GELU, ReLU² or SwiGLU, or with
     cfg.moe_experts > 0 a mixture of such experts in every cfg.moe_every-th block
     (blocks moe_every-1, 2*moe_every-1, ...; see model.network.moe)."""
-    if is_moe_layer(cfg, layer_index):
+    if cfg.is_moe_layer(layer_index):
         return MoEMLP(cfg, hidden=cfg.expert_width, rngs=rngs)
     if cfg.mlp == "swiglu":
         return SwiGLUMLP(cfg, rngs=rngs)

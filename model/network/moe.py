@@ -138,10 +138,6 @@ def router_z_loss(logits_NxE: jax.Array) -> jax.Array:
 # -- the layer ---------------------------------------------------------------------------------
 
 
-def is_moe_layer(cfg: ModelConfig, layer_index: int) -> bool:
-    return cfg.moe_experts > 0 and (layer_index + 1) % cfg.moe_every == 0
-
-
 class MoEMLP(nnx.Module):
     """Top-k mixture of GELU (or SwiGLU, per cfg.mlp) experts of width `hidden` on flat
     tokens [N, D].
