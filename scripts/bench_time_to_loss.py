@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -68,6 +69,20 @@ ABLATIONS = [
     ("+ zero-init projections", ["model.zero_init_proj=true"]),
     ("+ logit soft-cap 15", ["model.logit_softcap=15"]),
     ("+ x0 residual mixing", ["model.x0_mixing=true"]),
+    ("+ value embeddings", ["model.value_embeddings=true"]),
+    ("+ U-net skips", ["model.unet_skips=true"]),
+    ("+ multi-token prediction (1 more token)", ["model.mtp_tokens=1"]),
+    ("5 Newton-Schulz steps instead of 3", ["train.muon_ns_steps=5"]),
+    (
+        "+ Polar Express (5 steps)",
+        ["train.muon_orthogonalizer=polar_express", "train.muon_ns_steps=5"],
+    ),
+    ("+ NorMuon", ["train.normuon=true"]),
+    ("+ cautious weight decay", ["train.cautious_weight_decay=true"]),
+    (
+        "+ batch-size warmup (8 sequences to step 150)",
+        ["train.batch_size_schedule=[[0,8],[150,16]]"],
+    ),
 ]
 
 
@@ -147,50 +162,85 @@ def compare(args) -> None:
     print("\n".join(rows))
 
 
-def run_seeds(args, text: Path, overrides: list[str]) -> list[dict]:
-    """One run per seed, `args.jobs` at a time, each job pinned to its own cores."""
-    seeds = [f"train.seed={1337 + i}" for i in range(args.seeds)]
+def run_many(args, runs: list[tuple[Path, list[str]]]) -> list[dict]:
+    """tinyllm on each (text, overrides), `args.jobs` at a time, each job pinned to its own
+    share of the cores; results in the order given."""
     if args.jobs <= 1:
-        return [run_tinyllm(args.config, text, [*overrides, s, *args.overrides]) for s in seeds]
+        return [run_tinyllm(args.config, text, [*o, *args.overrides]) for text, o in runs]
     cores = sorted(os.sched_getaffinity(0))
     per_job = len(cores) // args.jobs
-    slots = [cores[i * per_job : (i + 1) * per_job] for i in range(args.jobs)]
+    free = [cores[i * per_job : (i + 1) * per_job] for i in range(args.jobs)]
+    lock = threading.Lock()
+
+    def one(run: tuple[Path, list[str]]) -> dict:
+        with lock:
+            slot = free.pop()
+        try:
+            return run_tinyllm(args.config, run[0], [*run[1], *args.overrides], slot)
+        finally:
+            with lock:
+                free.append(slot)
+
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = [
-            pool.submit(run_tinyllm, args.config, text, [*overrides, s, *args.overrides], slots[i])
-            for i, s in enumerate(seeds)
-        ]
-        return [f.result() for f in futures]
+        return list(pool.map(one, runs))
 
 
 def ablate(args) -> None:
     """Each variant at the fast config's steps, and at its wall time: the steps that the
     variant's own step time fits into the fast config's training time (the same runs when
-    the step times are within 3%)."""
-    text = args.input[0]
+    the step times are within 3%). One table per text."""
+    variants = [v for v in ABLATIONS if v[0] == ABLATIONS[0][0] or _picked(v[0], args.variants)]
+    seeds = [f"train.seed={1337 + i}" for i in range(args.seeds)]
     base_steps = _config_steps(args.config, args.overrides)
-    jobs = f", {args.jobs} runs at a time on their own cores" if args.jobs > 1 else ""
+    plan = [(t, name, [*o, s]) for t in args.input for name, o in variants for s in seeds]
+    done = run_many(args, [(t, o) for t, _, o in plan])
+    by = _grouped(plan, done)
+    # Equal wall time: each variant's steps scaled by the fast config's step time over its own.
+    again = []
+    for text in args.input:
+        base_step_s = statistics.median(r["step_s"] for r in by[text, variants[0][0]])
+        for name, overrides in variants:
+            step_s = statistics.median(r["step_s"] for r in by[text, name])
+            steps = round(base_steps * base_step_s / step_s)
+            if abs(steps - base_steps) > 0.03 * base_steps:
+                at = [f"train.max_steps={steps}", f"train.eval_interval={steps}"]
+                again += [(text, name, [*overrides, s, *at]) for s in seeds]
+    done_again = run_many(args, [(t, o) for t, _, o in again])
+    timed_by = _grouped(again, done_again)
+    jobs = f", {args.jobs} runs at a time, each on its own cores" if args.jobs > 1 else ""
     print(machine_line())
-    print(f"{args.config.name} on {text.name}, median of {args.seeds} seeds{jobs}")
-    print("\n| variant | val loss, equal steps | step time | steps in equal time | val loss, "
-          "equal time | wall time |\n|---|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
-    base_step_s = None
-    for name, overrides in ABLATIONS:
-        runs = run_seeds(args, text, overrides)
-        step_s = statistics.median(r["step_s"] for r in runs)
-        base_step_s = base_step_s or step_s  # the first variant is the fast config itself
-        loss = statistics.median(r["val_loss"] for r in runs)
-        steps = round(base_steps * base_step_s / step_s)
-        if abs(steps - base_steps) > 0.03 * base_steps:
-            at = [f"train.max_steps={steps}", f"train.eval_interval={steps}"]
-            timed_loss = statistics.median(
-                r["val_loss"] for r in run_seeds(args, text, [*overrides, *at])
-            )
-        else:
-            steps, timed_loss = base_steps, loss
-        seconds = statistics.median(r["seconds"] for r in runs)
-        print(f"| {name} | {loss:.4f} | {step_s * 1e3:.1f} ms | {steps} | {timed_loss:.4f} | "
-              f"{seconds:.1f} s |", flush=True)  # fmt: skip
+    for text in args.input:
+        print(f"\n{args.config.name} on {text.name}, {base_steps} steps, median of "
+              f"{args.seeds} seeds{jobs}")  # fmt: skip
+        print("\n| variant | val loss, equal steps | step time | steps in equal time | val "
+              "loss, equal time | wall time |\n|---|---:|---:|---:|---:|---:|")  # fmt: skip
+        for name, _ in variants:
+            runs = by[text, name]
+            timed_runs = timed_by.get((text, name), runs)
+            loss, step_ms = _median(runs, "val_loss"), _median(runs, "step_s") * 1e3
+            timed_loss, wall = _median(timed_runs, "val_loss"), _median(runs, "seconds")
+            print(f"| {name} | {loss:.4f} | {step_ms:.1f} ms | {timed_runs[0]['steps']} | "
+                  f"{timed_loss:.4f} | {wall:.1f} s |")  # fmt: skip
+    if args.json:
+        pairs = zip([*plan, *again], [*done, *done_again], strict=True)
+        rows = [{"text": str(t), "variant": n, "overrides": o, **r} for (t, n, o), r in pairs]
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+def _picked(name: str, wanted: list[str] | None) -> bool:
+    return not wanted or any(w.lower() in name.lower() for w in wanted)
+
+
+def _grouped(plan: list, results: list[dict]) -> dict:
+    """{(text, variant name): [results]} in plan order."""
+    out: dict = {}
+    for (text, name, _), result in zip(plan, results, strict=True):
+        out.setdefault((text, name), []).append(result)
+    return out
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
 
 
 def _config_steps(config: Path, overrides: list[str]) -> int:
@@ -210,6 +260,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3, help="seeds per ablation variant")
     p.add_argument("--jobs", type=int, default=1, help="ablation runs at a time, each pinned "
                    "to its share of the cores (a many-core machine; 1 on a small one)")  # fmt: skip
+    p.add_argument("--variants", nargs="+", help="ablate only the variants whose names contain "
+                   "one of these (the fast config itself always runs)")  # fmt: skip
+    p.add_argument("--json", type=Path, help="also write every ablation run's figures here")
     p.add_argument("overrides", nargs="*", help="key=value for tinyllm, as for --train")
     args = p.parse_args()
     for text in args.input:

@@ -74,6 +74,31 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
     (row,) = [line for line in proc.stdout.splitlines() if line.startswith("| words.txt")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1].startswith("9.5000 in ") and cells[3].endswith("x") and cells[4] == "yes"
+    assert "machine: " in proc.stdout  # the CPU model beside the table
+
+
+def test_time_to_loss_ablation_gives_equal_steps_and_equal_time(tmp_path):
+    """--ablate: the fast config and the variants asked for, a row each with the loss at
+    the fast config's steps and at its wall time, and every run's figures in --json."""
+    from tests.tiny_runs import write_word_corpus
+
+    text = write_word_corpus(tmp_path / "words.txt", 300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_time_to_loss.py"), "--ablate",
+         "--seeds", "1", "--variants", "value embeddings", "--input", str(text), "--json",
+         str(tmp_path / "runs.json"), "train.max_steps=4", "train.eval_interval=4",
+         "train.eval_steps=2", "train.warmup_steps=1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["the fast config", "+ value embeddings"]
+    for row in rows[1:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[1]) > 0 and cells[2].endswith(" ms") and float(cells[4]) > 0
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert {r["variant"] for r in runs} == {"the fast config", "+ value embeddings"}
+    assert all(r["steps"] > 0 and r["step_s"] > 0 for r in runs)
 
 
 def test_serve_bench_starts_a_server_measures_and_stops_it(tmp_path):
