@@ -58,31 +58,36 @@ NANOGPT_COMMAND = [
     "--lr_decay_iters=2000",
 ]
 NANOGPT_FILES = ["train.py", "model.py", "configurator.py", "config"]
-# Each recipe option of the fast config, undone: (name, overrides).
+# The fast config with one recipe option undone or added at a time: (name, overrides).
 ABLATIONS = [
     ("the fast config", []),
-    ("AdamW instead of Muon", ["train.optimizer=adamw", "train.learning_rate=3e-3"]),
+    # Its options undone, one at a time.
+    (
+        "AdamW instead of Muon",
+        ["train.optimizer=adamw", "train.learning_rate=3e-3", "train.normuon=false"],
+    ),
+    ("no NorMuon", ["train.normuon=false"]),
+    ("no value embeddings", ["model.value_embeddings=false"]),
+    ("no x0 residual mixing", ["model.x0_mixing=false"]),
     ("no QK-norm", ["model.qk_norm=false"]),
     ("tied output layer", ["model.tie_embeddings=true"]),
     ("cosine instead of WSD", ["train.lr_schedule=cosine"]),
-    ("+ ReLU² MLP", ["model.mlp=relu2"]),
-    ("+ zero-init projections", ["model.zero_init_proj=true"]),
-    ("+ logit soft-cap 15", ["model.logit_softcap=15"]),
-    ("+ x0 residual mixing", ["model.x0_mixing=true"]),
-    ("+ value embeddings", ["model.value_embeddings=true"]),
+    # Options it leaves out, one at a time.
     ("+ U-net skips", ["model.unet_skips=true"]),
     ("+ multi-token prediction (1 more token)", ["model.mtp_tokens=1"]),
-    ("5 Newton-Schulz steps instead of 3", ["train.muon_ns_steps=5"]),
     (
         "+ Polar Express (5 steps)",
         ["train.muon_orthogonalizer=polar_express", "train.muon_ns_steps=5"],
     ),
-    ("+ NorMuon", ["train.normuon=true"]),
+    ("5 Newton-Schulz steps instead of 3", ["train.muon_ns_steps=5"]),
     ("+ cautious weight decay", ["train.cautious_weight_decay=true"]),
     (
         "+ batch-size warmup (8 sequences to step 150)",
         ["train.batch_size_schedule=[[0,8],[150,16]]"],
     ),
+    ("+ ReLU² MLP", ["model.mlp=relu2"]),
+    ("+ zero-init projections", ["model.zero_init_proj=true"]),
+    ("+ logit soft-cap 15", ["model.logit_softcap=15"]),
 ]
 
 

@@ -92,12 +92,12 @@ def test_time_to_loss_ablation_gives_equal_steps_and_equal_time(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["the fast config", "+ value embeddings"]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["the fast config", "no value embeddings"]
     for row in rows[1:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[1]) > 0 and cells[2].endswith(" ms") and float(cells[4]) > 0
     runs = json.loads((tmp_path / "runs.json").read_text())
-    assert {r["variant"] for r in runs} == {"the fast config", "+ value embeddings"}
+    assert {r["variant"] for r in runs} == {"the fast config", "no value embeddings"}
     assert all(r["steps"] > 0 and r["step_s"] > 0 for r in runs)
 
 
