@@ -213,4 +213,8 @@ class TrainConfig:
         if self.optimizer != "muon":
             for name, off in (("normuon", False), ("muon_orthogonalizer", "newton_schulz")):
                 if getattr(self, name) != off:
-                    raise UsageError(f"train.{name} needs train.optimizer='muon'")
+                    value = str(off).lower() if isinstance(off, bool) else off
+                    raise UsageError(
+                        f"train.{name} needs train.optimizer='muon' (with "
+                        f"{self.optimizer!r}, add train.{name}={value})"
+                    )
