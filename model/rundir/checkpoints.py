@@ -99,7 +99,13 @@ class Checkpoints:
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
         """Start an atomic save (async: training goes on while orbax writes). The checksums
-        of the arrays are computed first, on the device, and stored in `meta`."""
+        of the arrays are computed first and stored in `meta`.
+
+        In one process the arrays are copied to host memory first, in one go: orbax would
+        copy them too, but a replicated or sharded jax.Array a slice at a time, each slice
+        shape a program compiled for it (a second or more of a small model's run)."""
+        if _all_addressable((params, opt_state)):
+            params, opt_state = jax.device_get((params, opt_state))
         checksums = {"params": tree_checksums(params)}
         args = {"params": ocp.args.StandardSave(params)}
         if opt_state is not None:
@@ -284,32 +290,43 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
 
 
 def tree_checksums(tree: Any) -> list[int]:
-    """One uint32 digest per array leaf of `tree`, in `jax.tree_util.tree_leaves` order.
+    """One uint32 digest per array leaf of `tree` (jax or numpy), in
+    `jax.tree_util.tree_leaves` order.
 
     >>> tree_checksums({"w": jnp.zeros(3)})
     [0]
     """
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
-    if not leaves:
-        return []
-    if all(_readable_in_place(x) for x in leaves):
-        # In host memory already: numpy gives the same digests without compiling a program
-        # (what loading a checkpoint for sampling would otherwise spend most of its time on).
-        return [_host_checksum(np.asarray(x)) for x in leaves]
-    digests = _checksums_on_device(leaves)
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array | np.ndarray)]
+    # In host memory already: numpy gives the same digests without compiling a program
+    # (what loading a checkpoint for sampling would otherwise spend most of its time on).
+    on_host = [_readable_in_place(x) for x in leaves]
+    elsewhere = [jnp.asarray(x) for x, here in zip(leaves, on_host, strict=True) if not here]
+    digests = iter(_checksums_on_device(elsewhere) if elsewhere else ())
     # Replicated scalars: any local copy holds the value (also with several processes).
-    return [int(np.asarray(d.addressable_data(0))) for d in digests]
+    return [
+        _host_checksum(np.asarray(x))
+        if here
+        else int(np.asarray(next(digests).addressable_data(0)))
+        for x, here in zip(leaves, on_host, strict=True)
+    ]
 
 
-def _readable_in_place(x: jax.Array) -> bool:
-    """Whether numpy can read the whole array where it lies: one CPU device, words of at most
-    4 bytes (8-byte types go to the device path, whose word order is XLA's)."""
+def _readable_in_place(x: jax.Array | np.ndarray) -> bool:
+    """Whether numpy can read the whole array where it lies, with words of at most 4 bytes
+    (8-byte types go to the device path, whose word order is XLA's): a numpy array, or a
+    jax.Array on one CPU device."""
+    if x.dtype.itemsize > 4:
+        return False
+    if isinstance(x, np.ndarray):
+        return True
     devices = x.sharding.device_set
-    return (
-        x.is_fully_addressable
-        and len(devices) == 1
-        and next(iter(devices)).platform == "cpu"
-        and x.dtype.itemsize <= 4
+    return x.is_fully_addressable and len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def _all_addressable(tree: Any) -> bool:
+    """Whether this process holds every array of `tree` whole (one process, any devices)."""
+    return all(
+        x.is_fully_addressable for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)
     )
 
 
@@ -340,7 +357,7 @@ def _verify(saved: Any, tree: Any, what: str) -> None:
         paths = [
             jax.tree_util.keystr(p, simple=True, separator="/")
             for p, x in jax.tree_util.tree_leaves_with_path(tree)
-            if isinstance(x, jax.Array)
+            if isinstance(x, jax.Array | np.ndarray)
         ]
         arrays = f"{len(bad)} arrays" if len(bad) > 1 else "1 array"
         raise CheckpointDamaged(
