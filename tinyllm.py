@@ -437,9 +437,12 @@ def run_writing_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
 
         run_tokenize(cfg, run_dir)
     if args.train:
+        from model.decoding.program_cache import ProgramCache
         from model.train_stage import run_train
 
-        run_train(cfg, run_dir, resume=args.resume, started=STARTED)
+        folder = compilation_cache_folder()
+        programs = ProgramCache(folder / "programs") if folder is not None else None
+        run_train(cfg, run_dir, resume=args.resume, started=STARTED, programs=programs)
         print(f"tinyllm: {time.perf_counter() - STARTED:.1f} s since start", file=sys.stderr)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 
 from configs.schema import Config
+from model.decoding.program_cache import ProgramCache
 from model.network.config import ModelConfig
 from model.processes.determinism import configure_determinism
 from model.processes.distributed import initialize_from_env, is_primary, wait_for_primary
@@ -48,9 +49,14 @@ from tokenizer.corpus import corpus_for
 
 
 def run_train(
-    cfg: Config, run_dir: Path, resume: bool = False, started: float | None = None
+    cfg: Config,
+    run_dir: Path,
+    resume: bool = False,
+    started: float | None = None,
+    programs: ProgramCache | None = None,
 ) -> dict:
     """Train the model of `cfg` on the run's tokenizer and corpus; returns the final metrics.
+    `programs` keeps the compiled programs for the next run of this config.
 
     The caller holds the run directory's lock (model.rundir.lock): this is its only writer.
     """
@@ -82,7 +88,7 @@ def run_train(
             corpus, tokenizer, run_dir / TOKENIZER_FILE, run_dir, cfg.data.val_fraction,
             tokenizer_sha,
         )  # fmt: skip
-        trainer = Trainer(cfg.train, model_cfg)
+        trainer = Trainer(cfg.train, model_cfg, programs=programs)
         state = _starting_state(trainer, checkpoints, cfg, resume)
         _print_summary(trainer, splits, state.steps_taken())
         meta = {

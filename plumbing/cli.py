@@ -73,6 +73,8 @@ def show_debug_log(enabled: bool = True) -> None:
     the logger is back to warnings only."""
     logger = logging.getLogger("tinyllm")
     logger.setLevel(logging.DEBUG if enabled else logging.WARNING)
+    # Printed once: not again by a handler a library put on the root logger.
+    logger.propagate = not enabled
     if enabled and not any(isinstance(h, _CurrentStderr) for h in logger.handlers):
         handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("tinyllm: debug: %(message)s"))

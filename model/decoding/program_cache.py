@@ -45,6 +45,7 @@ from plumbing.atomic import write_atomic
 from plumbing.hashing import files_sha256
 
 MAGIC = b"tinyllm program cache 1\n"
+JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # jax.monitoring: read from its disk cache
 MODEL_PACKAGE = Path(__file__).resolve().parents[1]  # its modules shape every program
 MAX_ENTRIES = 64
 _JAX_SETTINGS = (  # jax settings that change what a traced program computes or how it lowers
@@ -110,6 +111,24 @@ class ProgramCache:
         for _, path in sorted(entries, reverse=True)[MAX_ENTRIES:]:
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+@contextlib.contextmanager
+def jax_disk_cache_reads():
+    """A list that grows by one for each program JAX reads from its own disk cache inside.
+    Such an executable cannot be kept here: serialized again, XLA:CPU loads it but fails to
+    run it."""
+    hits: list[str] = []
+
+    def listener(event: str, **kwargs) -> None:
+        if event == JAX_CACHE_HIT:
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield hits
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
 
 
 @functools.cache

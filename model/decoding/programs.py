@@ -31,7 +31,7 @@ from flax import nnx
 from jax.experimental import serialize_executable
 
 from model.decoding.budget import check_memory
-from model.decoding.program_cache import ProgramCache
+from model.decoding.program_cache import ProgramCache, jax_disk_cache_reads
 from model.decoding.sampling import SamplingParams
 from model.decoding.steps import chunk_program, refill, start_carry
 from model.network.gpt import GPT
@@ -41,7 +41,6 @@ from model.network.params import sampling_device
 # dominate small chunks; 16 keeps most of the throughput of much larger ones while text
 # still arrives every few milliseconds (docs/inference.md has the measurements).
 DEFAULT_CHUNK_SIZE = 16
-JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # jax.monitoring: read from its disk cache
 
 
 @dataclass(frozen=True)
@@ -154,22 +153,13 @@ def _compile(graphdef, example_args: dict[str, tuple], use_cache: bool, chunk_si
         "chunk": partial(chunk_program(use_cache).trace, chunk_size=chunk_size),
         "refill": refill.trace,
     }
-    hits = []
-
-    def listener(event, **kwargs):
-        if event == JAX_CACHE_HIT:
-            hits.append(event)
 
     def compile_one(name: str):
         return trace[name](graphdef, *example_args[name]).lower().compile()
 
-    jax.monitoring.register_event_listener(listener)
-    try:
-        with ThreadPoolExecutor(max_workers=len(example_args)) as pool:
-            futures = {name: pool.submit(compile_one, name) for name in example_args}
-            compiled = {name: future.result() for name, future in futures.items()}
-    finally:
-        jax.monitoring.unregister_event_listener(listener)
+    with jax_disk_cache_reads() as hits, ThreadPoolExecutor(len(example_args)) as pool:
+        futures = {name: pool.submit(compile_one, name) for name in example_args}
+        compiled = {name: future.result() for name, future in futures.items()}
     return compiled, bool(hits)
 
 

@@ -3,6 +3,7 @@
 config.py    TrainConfig: the [train] section
 data.py      the token cache and the batches drawn from it
 trainer.py   TrainState and the compiled step that advances it, evaluation
+kept_programs.py  the step, evaluation and initialisation kept compiled for the next run
 loop.py      the loop: logging, evaluation, checkpoints, stopping on a signal
 optim.py     AdamW or Muon (which parameters get which), warmup then cosine or warmup-stable-decay
 muon.py      Muon's transforms: Newton-Schulz or Polar Express, NorMuon, cautious weight decay

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +49,12 @@ from model.processes.mesh import (
 from model.quantization.kernels import fake_quant_tree
 from model.training.config import TrainConfig
 from model.training.data import TokenSplits, sample_batch
+from model.training.kept_programs import kept
 from model.training.optim import make_optimizer
 from plumbing.errors import UsageError
+
+if TYPE_CHECKING:
+    from model.decoding.program_cache import ProgramCache
 
 
 def evaluate_windows(model: GPT, tokens: np.ndarray, rows: int = 64) -> float:
@@ -145,7 +149,14 @@ class Trainer:
     compiled for XLA's memory analysis at any model size.
     """
 
-    def __init__(self, train_cfg: TrainConfig, model_cfg: ModelConfig, *, abstract: bool = False):
+    def __init__(
+        self,
+        train_cfg: TrainConfig,
+        model_cfg: ModelConfig,
+        *,
+        abstract: bool = False,
+        programs: ProgramCache | None = None,
+    ):
         self.train_cfg, self.model_cfg, self.abstract = train_cfg, model_cfg, abstract
         t = train_cfg
         self.mesh = data_mesh()
@@ -157,7 +168,7 @@ class Trainer:
                 f"train.batch_size_schedule's micro-batch ({size} / train.grad_accum",
             )  # fmt: skip
         check_batch_divisible(t.eval_rows, self.mesh, "the validation batch (train.eval_batch_size")
-        self.graphdef, shapes, self.rest = abstract_model(model_cfg)
+        self.graphdef, shapes, self.rest = abstract_model(model_cfg, programs)
         self.n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
         self.tx = make_optimizer(t)
         # Parameters, gradients and optimizer moments are laid out alike (FSDP: all sharded),
@@ -177,19 +188,39 @@ class Trainer:
             TrainState(shapes, opt_shapes, jax.ShapeDtypeStruct((), jnp.int32), key_shape),
             self.state_shardings,
         )
-        self._init_params = jax.jit(
-            functools.partial(init_params, model_cfg, t.seed), out_shardings=self.param_shardings
+        # With `programs`, what a run compiles is kept there for the next run with this
+        # config (model/training/kept_programs.py): no tracing, lowering or compiling then.
+        run = {
+            "train": dataclasses.asdict(t),
+            "model": dataclasses.asdict(model_cfg),
+            "optax": optax.__version__,
+        }
+        mesh_devices = list(self.mesh.devices.flat)
+
+        def keep(jitted, name: str):
+            return kept(jitted, programs, f"train-{name}", run, mesh_devices)
+
+        self._init_params = keep(
+            jax.jit(
+                functools.partial(init_params, model_cfg, t.seed),
+                out_shardings=self.param_shardings,
+            ),
+            "init-params",
         )
-        self._init_opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)
+        self._init_opt_state = keep(
+            jax.jit(self.tx.init, out_shardings=self.opt_shardings), "init-optimizer"
+        )
         # Made by a program, not device_put: with several processes the mesh holds devices
         # this process cannot address.
         self._base_key = jax.jit(lambda: jax.random.key(t.seed), out_shardings=replicated)
         self.batch_sharding = batch_sharding(self.mesh)
         self._loss = training_loss(self.graphdef, self.rest, t)
-        self.train_step = self._compile_step()
+        self.train_step = keep(self._compile_step(), "step")
         self.eval_step = jax.jit(self._eval_loss)
         # The running sum goes in and out replicated: one program for every chunk.
-        self.eval_batches = jax.jit(self._eval_losses_summed, out_shardings=replicated)
+        self.eval_batches = keep(
+            jax.jit(self._eval_losses_summed, out_shardings=replicated), "evaluation"
+        )
         self._zero = jax.jit(lambda: jnp.float32(0), out_shardings=replicated)
 
     # -- the states it makes ---------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""Training's compiled programs kept on disk, so that the next run of a config starts at once.
+
+JAX's persistent compilation cache skips XLA's compile, but each new process still traces and
+lowers the training step, evaluation and initialisation, then loads the executable: on a small
+model that is most of what a run spends before its first step. `KeptProgram` keeps each
+compiled program as an executable in the program cache sampling uses
+(model/decoding/program_cache.py, whose key covers the model package's source, the library
+versions, the device, XLA's flags and jax's settings), under the run's config, the program's
+name and its arguments' shapes, dtypes and shardings. A later process loads it and runs it with
+no tracing, lowering or compiling.
+
+A program that JAX read from its own disk cache is not kept (serialized again, XLA:CPU loads it
+but fails to run it): a config that differs from a cached one only where the program does not
+(say train.log_interval) gets JAX's quick read as before, not a new compile. A loaded program
+that fails its first call, before its arguments were donated, is compiled again and replaces
+its entry. Several processes compile their own (the cache is for one).
+
+    >>> step = KeptProgram(jax.jit(f), cache, "train-step", {"train": ..., "model": ...},
+    ...                    devices)                                        # doctest: +SKIP
+    >>> state, metrics = step(state, x, y)   # the first call loads or compiles
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.experimental import serialize_executable
+
+from model.decoding.program_cache import ProgramCache, jax_disk_cache_reads
+
+_LOG = logging.getLogger("tinyllm")
+
+
+class KeptProgram:
+    """`jitted` (a jax.jit function), its programs compiled once per argument signature and
+    kept in `cache` under (`kind`, `arguments` + the signature); it runs on `devices`.
+    Attributes it does not have (`trace`, `lower`) are the jitted function's."""
+
+    def __init__(
+        self,
+        jitted,
+        cache: ProgramCache,
+        kind: str,
+        arguments: dict[str, Any],
+        devices: Sequence[jax.Device],
+    ) -> None:
+        self.jitted, self.cache, self.kind = jitted, cache, kind
+        self.arguments = {**arguments, "devices": [d.id for d in devices]}
+        self.devices = list(devices)
+        self._programs: dict[Any, Any] = {}
+        self._unproven: set = set()  # loaded from disk, not yet run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.jitted, name)
+
+    def __call__(self, *args):
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        signature = (treedef, tuple(_leaf_signature(x) for x in leaves))
+        program = self._programs.get(signature)
+        if program is None:
+            program = self._programs[signature] = self._load_or_compile(args, signature)
+        if signature not in self._unproven:
+            return program(*args)
+        try:
+            out = program(*args)
+        except Exception as err:  # "Function ... not found", a signature it no longer takes
+            if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+                raise  # its arguments were donated: nothing to run again on
+            _LOG.debug("%s: the kept program did not run (%s); compiling it", self.kind, err)
+            self._unproven.discard(signature)
+            program = self._programs[signature] = self._compile_and_keep(args)
+            return program(*args)
+        self._unproven.discard(signature)
+        return out
+
+    def _entry(self, args: tuple) -> dict[str, Any]:
+        inputs = [
+            [jax.tree_util.keystr(path), *map(str, _leaf_signature(x))]
+            for path, x in jax.tree_util.tree_leaves_with_path(args)
+        ]
+        return {**self.arguments, "inputs": inputs}
+
+    def _load_or_compile(self, args: tuple, signature) -> Any:
+        stored = self.cache.get(self.kind, self._entry(args))
+        program = _deserialize(stored, self.devices) if stored is not None else None
+        if program is not None:
+            _LOG.debug("%s: kept program read", self.kind)
+            self._unproven.add(signature)
+            return program
+        return self._compile_and_keep(args)
+
+    def _compile_and_keep(self, args: tuple) -> Any:
+        with jax_disk_cache_reads() as read_from_jax:
+            compiled = self.jitted.trace(*args).lower().compile()
+        if read_from_jax:
+            _LOG.debug("%s: not kept (JAX read it from its own disk cache)", self.kind)
+            return compiled
+        try:
+            payload = serialize_executable.serialize(compiled)
+        except Exception as err:  # constants in the program; one JAX had in memory from disk
+            _LOG.debug("%s: not kept (%s)", self.kind, err)
+        else:
+            self.cache.put(self.kind, self._entry(args), payload)
+            _LOG.debug("%s: kept program compiled", self.kind)
+        return compiled
+
+
+def kept(jitted, cache: ProgramCache | None, kind: str, arguments: dict, devices):
+    """`jitted` itself without a cache or with several processes, else a KeptProgram."""
+    if cache is None or jax.process_count() > 1:
+        return jitted
+    return KeptProgram(jitted, cache, kind, arguments, devices)
+
+
+def _leaf_signature(x) -> tuple:
+    return tuple(getattr(x, name, None) for name in ("shape", "dtype", "weak_type", "sharding"))
+
+
+def _deserialize(stored: Any, devices: list[jax.Device]):
+    """The program of a cache entry, loaded onto `devices`; None if it does not load."""
+    try:
+        payload, in_tree, out_tree = stored
+        return serialize_executable.deserialize_and_load(
+            payload, in_tree, out_tree, backend=devices[0].client, execution_devices=devices
+        )
+    except Exception as err:  # an entry this jaxlib cannot load: compile instead
+        _LOG.debug("a kept program did not load (%s)", err)
+        return None

@@ -1,0 +1,165 @@
+"""Training's kept programs (model/training/kept_programs.py): a second run of a config reads
+its step, evaluation and initialisation from the program cache, traces nothing and trains
+exactly as the first; an entry that is damaged, or loads and then does not run, is compiled
+again; a program JAX read from its own disk cache is not kept."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.decoding.program_cache import ProgramCache
+from model.training import kept_programs
+from model.training.kept_programs import KeptProgram, kept
+from tests.tiny_runs import ROOT, TINY_TRAIN, write_word_corpus
+
+KINDS = {"train-init-params", "train-init-optimizer", "train-step", "train-evaluation"}
+_NEW_SIZES = itertools.count(3)
+
+
+@pytest.fixture(autouse=True)
+def jax_keeps_nothing_on_disk():
+    """JAX stores no new program in its disk cache here (an in-process --train may have
+    switched it on): a program read back from it is, rightly, not kept."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+def entries(folder: Path) -> dict[str, list[Path]]:
+    found: dict[str, list[Path]] = {}
+    for path in sorted(folder.glob("train-*.bin")):
+        found.setdefault(path.name.rsplit("-", 1)[0], []).append(path)
+    return found
+
+
+def train(tmp_path: Path, out: str, cache: Path, *extra: str) -> list[str]:
+    """`tinyllm.py --tokenize --train` in a process of its own on two CPU devices; the
+    debug log's lines about kept programs."""
+    corpus = write_word_corpus(tmp_path / "corpus.txt", 60)
+    argv = [sys.executable, str(ROOT / "tinyllm.py"), "--tokenize", "--train", "--debug"]
+    argv += ["--config", "shakespeare_char", "--input", str(corpus), "--out", str(tmp_path / out)]
+    argv += [*TINY_TRAIN, "train.max_steps=6", "train.cpu_devices=2", *extra]
+    env = {**os.environ, "TINYLLM_XLA_CACHE": str(cache)}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [line for line in proc.stderr.splitlines() if "kept program" in line]
+
+
+def metrics(run: Path) -> list[dict]:
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in ("elapsed_s", "tokens_per_sec")}
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def test_a_second_run_reads_every_program_and_trains_the_same(tmp_path):
+    cache = tmp_path / "cache"
+    first = train(tmp_path, "first", cache)
+    assert set(entries(cache / "programs")) == KINDS
+    assert all("compiled" in line for line in first) and len(first) == len(KINDS)
+    second = train(tmp_path, "second", cache)
+    assert sorted(line.split("debug: ")[-1] for line in second) == sorted(
+        f"{kind}: kept program read" for kind in KINDS
+    )
+    assert metrics(tmp_path / "second") == metrics(tmp_path / "first")
+    # Another learning rate is another program (the schedule's constants), not the kept one.
+    third = train(tmp_path, "third", cache, "train.learning_rate=1e-3")
+    assert "train-step: kept program compiled" in "\n".join(third)
+    assert len(entries(cache / "programs")["train-step"]) == 2
+    assert metrics(tmp_path / "third")[-1] != metrics(tmp_path / "first")[-1]
+
+
+def program(cache: ProgramCache, size: int) -> KeptProgram:
+    jitted = jax.jit(lambda x, y: (x * 2.0 + y, {"sum": jnp.sum(x)}), donate_argnums=0)
+    return KeptProgram(jitted, cache, "train-test", {"size": size}, jax.local_devices()[:1])
+
+
+def run_program(prog: KeptProgram, size: int):
+    x = jnp.arange(size, dtype=jnp.float32)
+    out, aux = prog(x, jnp.ones(size, jnp.float32))
+    assert x.is_deleted()  # donated, as the jitted function donates it
+    return np.asarray(out), float(aux["sum"])
+
+
+@pytest.fixture
+def compiles(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    original = KeptProgram._compile_and_keep
+
+    def counted(self, args):
+        calls.append(self.kind)
+        return original(self, args)
+
+    monkeypatch.setattr(KeptProgram, "_compile_and_keep", counted)
+    return calls
+
+
+def test_a_kept_program_gives_what_the_jitted_one_gives(tmp_path, compiles):
+    size, cache = next(_NEW_SIZES), ProgramCache(tmp_path)
+    expected = run_program(program(cache, size), size)
+    assert len(compiles) == 1 and len(list(tmp_path.glob("train-test-*.bin"))) == 1
+    loaded = run_program(program(cache, size), size)
+    assert len(compiles) == 1  # read, not compiled
+    np.testing.assert_array_equal(loaded[0], expected[0])
+    assert loaded[1] == expected[1] == sum(range(size))
+    np.testing.assert_array_equal(expected[0], 2.0 * np.arange(size) + 1)
+
+
+@pytest.mark.parametrize("damage", ["flipped-bit", "truncated"])
+def test_a_damaged_entry_is_compiled_again(tmp_path, compiles, damage):
+    size, cache = next(_NEW_SIZES), ProgramCache(tmp_path)
+    expected = run_program(program(cache, size), size)
+    (path,) = tmp_path.glob("train-test-*.bin")
+    data = bytearray(path.read_bytes())
+    if damage == "flipped-bit":
+        data[len(data) // 2] ^= 0x10
+    else:
+        del data[len(data) // 3 :]
+    path.write_bytes(bytes(data))
+    got = run_program(program(cache, size), size)
+    assert len(compiles) == 2
+    np.testing.assert_array_equal(got[0], expected[0])
+
+
+def test_an_entry_that_loads_and_does_not_run_is_compiled_again(tmp_path, compiles, monkeypatch):
+    """What XLA:CPU does with an executable it read from JAX's disk cache and serialized again:
+    it loads, then its first call fails, before anything was donated."""
+    size, cache = next(_NEW_SIZES), ProgramCache(tmp_path)
+    expected = run_program(program(cache, size), size)
+
+    def broken(*args):
+        raise RuntimeError("Function main.1 not found")
+
+    monkeypatch.setattr(kept_programs, "_deserialize", lambda stored, devices: broken)
+    got = run_program(program(cache, size), size)
+    assert len(compiles) == 2
+    np.testing.assert_array_equal(got[0], expected[0])
+
+
+def test_new_shapes_compile_a_program_of_their_own(tmp_path, compiles):
+    size, cache = next(_NEW_SIZES), ProgramCache(tmp_path)
+    prog = program(cache, size)
+    run_program(prog, size)
+    run_program(prog, size + 100)  # a batch-size schedule's next size
+    run_program(prog, size)
+    assert len(compiles) == 2 and len(list(tmp_path.glob("train-test-*.bin"))) == 2
+
+
+def test_without_a_cache_or_with_several_processes_the_jitted_function_runs(tmp_path, monkeypatch):
+    jitted = jax.jit(lambda x: x + 1)
+    devices = jax.local_devices()[:1]
+    assert kept(jitted, None, "train-test", {}, devices) is jitted
+    assert isinstance(kept(jitted, ProgramCache(tmp_path), "train-test", {}, devices), KeptProgram)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert kept(jitted, ProgramCache(tmp_path), "train-test", {}, devices) is jitted
