@@ -83,6 +83,7 @@ def test_a_run_made_before_the_move_samples_and_resumes(earlier_checkout, tmp_pa
     assert refused.returncode == 2 and "in the checkpoint but" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
     gpt2_recipe = ["model.qk_norm=false", "model.x0_mixing=false", "train.optimizer=adamw"]
+    gpt2_recipe.append("train.normuon=false")
     resumed = tinyllm(
         ROOT, "--train", "--resume", *config, "train.max_steps=12", *gpt2_recipe, env=env
     )

@@ -45,7 +45,8 @@ AGREEING = [
     ("shakespeare_char", "model.n_layer=2", "train.batch_size=32", "train.grad_accum=2"),
     ("shakespeare", "model.n_layer=2", "model.mlp=swiglu", "model.position=rope",
      "model.norm=rmsnorm"),
-    ("shakespeare", "model.n_layer=2", "model.moe_experts=4", "train.optimizer=adamw"),
+    ("shakespeare", "model.n_layer=2", "model.moe_experts=4", "train.optimizer=adamw",
+     "train.normuon=false"),
 ]  # fmt: skip
 
 

@@ -70,7 +70,8 @@ PLATFORMS = ("cuda", "rocm", "tpu")
 DTYPES = ("float32", "bfloat16")
 # The train-step variants lowered besides the config itself: name -> (train, model) overrides.
 VARIANTS: dict[str, tuple[dict, dict]] = {
-    "adamw": ({"optimizer": "adamw"}, {}),
+    # AdamW without Muon's own options (NorMuon, Polar Express), which it refuses.
+    "adamw": ({"optimizer": "adamw", "normuon": False, "muon_orthogonalizer": "newton_schulz"}, {}),
     "muon": ({"optimizer": "muon"}, {}),
     "accumulation": ({"grad_accum": 2}, {}),
     "moe": ({}, {"moe_experts": 8, "moe_top_k": 2}),
