@@ -1,7 +1,7 @@
 """Training's kept programs (model/training/kept_programs.py): a second run of a config reads
 its step, evaluation and initialisation from the program cache, traces nothing and trains
 exactly as the first; an entry that is damaged, or loads and then does not run, is compiled
-again; a program JAX read from its own disk cache is not kept."""
+again; a program JAX holds in its own disk cache is compiled anyway, and kept."""
 
 from __future__ import annotations
 
@@ -163,3 +163,47 @@ def test_without_a_cache_or_with_several_processes_the_jitted_function_runs(tmp_
     assert isinstance(kept(jitted, ProgramCache(tmp_path), "train-test", {}, devices), KeptProgram)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     assert kept(jitted, ProgramCache(tmp_path), "train-test", {}, devices) is jitted
+
+
+KEEP_SCRIPT = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from model.decoding.program_cache import ProgramCache
+from model.training.kept_programs import KeptProgram
+jax_dir, ours, first = sys.argv[1:]
+if jax_dir:
+    jax.config.update("jax_compilation_cache_dir", jax_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+def f(x):
+    for _ in range(4):
+        x = jnp.tanh(x @ x.T) + 1.0
+    return x
+x = jnp.arange(64.0).reshape(8, 8) / 64
+if first == "jit-first":  # JAX compiles it and keeps it in its own disk cache
+    jax.block_until_ready(jax.jit(f)(x))
+    jax.clear_caches()
+devices = jax.local_devices()[:1]
+out = KeptProgram(jax.jit(f), ProgramCache(ours), "train-test", {}, devices)(x)
+print(np.asarray(out).tolist())
+"""
+
+
+def test_a_program_jax_holds_in_its_own_disk_cache_is_kept_all_the_same(tmp_path):
+    """An earlier version (or a run with another tinyllm source) left the program in JAX's
+    cache: it is compiled here anyway, so the entry is written and runs in the next process."""
+    jax_dir, ours = tmp_path / "jax", tmp_path / "ours"
+
+    def run(*argv: str) -> list:
+        proc = subprocess.run(
+            [sys.executable, "-c", KEEP_SCRIPT, *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout)
+
+    compiled = run(str(jax_dir), str(ours), "jit-first")
+    assert any(jax_dir.iterdir())  # JAX kept the jitted program
+    assert len(list(ours.glob("train-test-*.bin"))) == 1  # and ours was compiled, and kept
+    assert run("", str(ours), "-") == compiled  # a new process runs the kept executable

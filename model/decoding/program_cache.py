@@ -131,6 +131,22 @@ def jax_disk_cache_reads():
         jax.monitoring.unregister_event_listener(listener)
 
 
+@contextlib.contextmanager
+def jax_disk_cache_off():
+    """JAX's persistent compilation cache neither read nor written inside: what compiles here
+    is compiled, so that it can be kept here."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once whether to use its cache: ask again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
+
+
 @functools.cache
 def environment() -> dict[str, Any]:
     """Everything besides an entry's arguments that decides its content (computed once)."""

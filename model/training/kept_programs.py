@@ -9,11 +9,12 @@ versions, the device, XLA's flags and jax's settings), under the run's config, t
 name and its arguments' shapes, dtypes and shardings. A later process loads it and runs it with
 no tracing, lowering or compiling.
 
-A program that JAX read from its own disk cache is not kept (serialized again, XLA:CPU loads it
-but fails to run it): a config that differs from a cached one only where the program does not
-(say train.log_interval) gets JAX's quick read as before, not a new compile. A loaded program
-that fails its first call, before its arguments were donated, is compiled again and replaces
-its entry. Several processes compile their own (the cache is for one).
+A program to keep is compiled past JAX's own disk cache: an executable read back from that
+cannot be serialized again (XLA:CPU loads it, then fails to run it), and with JAX's key (the
+program's text) the entry would never be written once JAX held the program. So each config
+compiles once, and then reads its own entry. A loaded program that fails its first call,
+before its arguments were donated, is compiled again and replaces its entry. Several
+processes compile their own (the cache is for one).
 
     >>> step = KeptProgram(jax.jit(f), cache, "train-step", {"train": ..., "model": ...},
     ...                    devices)                                        # doctest: +SKIP
@@ -29,7 +30,7 @@ from typing import Any
 import jax
 from jax.experimental import serialize_executable
 
-from model.decoding.program_cache import ProgramCache, jax_disk_cache_reads
+from model.decoding.program_cache import ProgramCache, jax_disk_cache_off
 
 _LOG = logging.getLogger("tinyllm")
 
@@ -93,14 +94,12 @@ class KeptProgram:
         return self._compile_and_keep(args)
 
     def _compile_and_keep(self, args: tuple) -> Any:
-        with jax_disk_cache_reads() as read_from_jax:
-            compiled = self.jitted.trace(*args).lower().compile()
-        if read_from_jax:
-            _LOG.debug("%s: not kept (JAX read it from its own disk cache)", self.kind)
-            return compiled
+        lowered = self.jitted.trace(*args).lower()
+        with jax_disk_cache_off():
+            compiled = lowered.compile()
         try:
             payload = serialize_executable.serialize(compiled)
-        except Exception as err:  # constants in the program; one JAX had in memory from disk
+        except Exception as err:  # constants in the program; JAX's own in-memory copy
             _LOG.debug("%s: not kept (%s)", self.kind, err)
         else:
             self.cache.put(self.kind, self._entry(args), payload)
