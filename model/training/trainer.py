@@ -305,13 +305,15 @@ class Trainer:
         """Sequences of `step` on the mesh: the training batch as [grad_accum, micro, T] (the
         step's size under train.batch_size_schedule), or with `rows`, [1, rows, T]
         (validation)."""
+        x, y = self.host_batch(tokens, step, stream, rows)
+        return put_batch(x, self.batch_sharding), put_batch(y, self.batch_sharding)
+
+    def host_batch(self, tokens: np.ndarray, step: int, stream: int = 0, rows: int | None = None):
+        """`batch`'s (x, y) in host memory, before they go to the mesh."""
         shape = self._batch_shape(rows, step)
         t = self.train_cfg
         x, y = sample_batch(tokens, shape[0] * shape[1], shape[2], t.seed, step, stream)
-        return (
-            put_batch(x.reshape(shape), self.batch_sharding),
-            put_batch(y.reshape(shape), self.batch_sharding),
-        )
+        return x.reshape(shape), y.reshape(shape)
 
     def batch_shapes(self, rows: int | None = None) -> tuple:
         """`batch`'s (x, y) as ShapeDtypeStructs with their sharding, for tracing (training:
@@ -333,15 +335,16 @@ class Trainer:
         same at every eval). The batches go to the device a chunk at a time and each chunk
         runs as one program: one call per batch cost a small model more in dispatch than in
         arithmetic. The losses add up in batch order, in float32, as one call per batch did."""
-        t, block = self.train_cfg, self.model_cfg.block_size
-        chunk = eval_chunk(t.eval_steps, t.eval_rows * block)
+        t = self.train_cfg
+        chunk = eval_chunk(t.eval_steps, t.eval_rows * self.model_cfg.block_size)
         total = self._zero()
         for start in range(0, t.eval_steps, chunk):
             pairs = [
-                sample_batch(splits.val, t.eval_rows, block, t.seed, i, stream=1)
+                self.host_batch(splits.val, i, stream=1, rows=t.eval_rows)  # [1, rows, T] each
                 for i in range(start, start + chunk)
             ]
-            x, y = (put_batch(np.stack(a), self.batch_sharding) for a in zip(*pairs, strict=True))
+            xs, ys = zip(*pairs, strict=True)
+            x, y = (put_batch(np.concatenate(a), self.batch_sharding) for a in (xs, ys))
             total = self.eval_batches(params, x, y, total)
         return float(total) / t.eval_steps
 
