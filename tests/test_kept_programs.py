@@ -20,7 +20,7 @@ import pytest
 from model.decoding.program_cache import ProgramCache
 from model.training import kept_programs
 from model.training.kept_programs import KeptProgram, kept
-from tests.tiny_runs import ROOT, TINY_TRAIN, write_word_corpus
+from tests.tiny_runs import ROOT, TINY_TRAIN, run_python_json, write_word_corpus
 
 KINDS = {"train-init-params", "train-init-optimizer", "train-step", "train-evaluation"}
 _NEW_SIZES = itertools.count(3)
@@ -193,15 +193,7 @@ def test_a_program_jax_holds_in_its_own_disk_cache_is_kept_all_the_same(tmp_path
     jax_dir, ours = tmp_path / "jax", tmp_path / "ours"
 
     def run(*argv: str) -> list:
-        proc = subprocess.run(
-            [sys.executable, "-c", KEEP_SCRIPT, *argv],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads(proc.stdout)
+        return run_python_json(KEEP_SCRIPT, *argv)
 
     compiled = run(str(jax_dir), str(ours), "jit-first")
     assert any(jax_dir.iterdir())  # JAX kept the jitted program

@@ -24,7 +24,7 @@ from model.decoding.program_cache import ProgramCache
 from model.decoding.programs import compile_programs
 from model.rundir.trained import load_float_model
 from tests.tiny_models import tiny_model
-from tests.tiny_runs import ROOT, train_tiny_run
+from tests.tiny_runs import ROOT, run_python_json, train_tiny_run
 
 PROMPT = [5, 17, 42, 8, 33]
 BLOCK = 16
@@ -231,15 +231,7 @@ def test_an_executable_read_from_jaxs_own_cache_is_not_kept(tmp_path):
     jax_cache, first, second = (str(tmp_path / name) for name in ("jax", "first", "second"))
 
     def run(jax_dir, ours, *extra):
-        proc = subprocess.run(
-            [sys.executable, "-c", COMPILE_SCRIPT, jax_dir, ours, *extra],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads(proc.stdout)
+        return run_python_json(COMPILE_SCRIPT, jax_dir, ours, *extra)
 
     compiled_here = run(jax_cache, first)  # JAX's cache is empty: compiled, and kept
     assert len(entries(Path(first))) == 1

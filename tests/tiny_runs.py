@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -83,3 +86,18 @@ def served_run(tmp_path_factory, name: str) -> Path:
     base = tmp_path_factory.mktemp(name)
     extra = ("tokenizer.vocab_size=270", "model.block_size=32", "train.max_steps=12")
     return train_tiny_run(base, *extra, config="shakespeare")
+
+
+def run_python_json(script: str, *argv: str, **kwargs) -> Any:
+    """`python -c script argv...` in a process of its own, from the clone's root; the JSON it
+    prints (it must exit 0). `kwargs` go to subprocess.run (env=...)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
