@@ -351,7 +351,10 @@ def command_line_config(args: argparse.Namespace) -> Config:
 def run(args: argparse.Namespace) -> int:
     cfg = command_line_config(args)
     run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
+    from model.processes.cpu_kernels import configure_cpu_kernels
     from model.processes.distributed import check_single_process_stages, multi_process_requested
+
+    configure_cpu_kernels()  # before JAX starts a backend: on AVX2, XLA's own dot kernels
 
     if args.plan:  # before anything else: what the stages that follow will cost
         from model.plan_stage import run_plan

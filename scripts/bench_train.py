@@ -172,13 +172,16 @@ def main() -> None:
     )
     a = p.parse_args()
 
-    # As --train does, before JAX starts: one CPU device per core that divides the batch.
+    # As --train does, before JAX starts: one CPU device per core that divides the batch, and
+    # on AVX2 XLA's own dot kernels.
     from configs.schema import load_config
     from model.processes.cpu_devices import configure_cpu_devices
+    from model.processes.cpu_kernels import configure_cpu_kernels
 
     cfg = load_config(CONFIG, a.overrides)
     t = cfg.train
     configure_cpu_devices(t.cpu_devices, t.batch_size // t.grad_accum)
+    configure_cpu_kernels()
     ours = time_tinyllm(cfg, a.steps, a.repeats)
     peer = None if a.no_peer else time_peer(a.torch_python, a.steps, a.repeats)
     nano = run_nanogpt(a.torch_python, a.nanogpt_dir, a.nanogpt_iters) if a.nanogpt_dir else None

@@ -4,7 +4,8 @@
 XLA_FLAGS before JAX starts. Tests that call the CLI in-process would otherwise leave that
 flag behind, and whichever test first touches JAX would fix this process's device count by
 test order. Pinning the count here keeps in-process tests on one device; the multi-device
-tests set their own count in subprocesses.
+tests set their own count in subprocesses. The dot kernels the CLI picks on this CPU
+(model/processes/cpu_kernels.py) are set here too, for this process and its subprocesses.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import shutil
 import tempfile
 
 from model.processes.cpu_devices import DEVICE_COUNT_FLAG
+from model.processes.cpu_kernels import configure_cpu_kernels
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if DEVICE_COUNT_FLAG not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} {DEVICE_COUNT_FLAG}=1".strip()
+# The kernels the CLI picks on this CPU, for this process and the CLI runs it starts alike.
+configure_cpu_kernels()
 
 # The compilation caches (JAX's, and the program cache) live in a folder of this session's own:
 # nothing from earlier runs on this machine decides what a test sees, and nothing is left in
