@@ -84,6 +84,16 @@ def test_flops_per_token_follows_nanogpt_formula():
     assert flops_per_token(TINY) == expected
 
 
+def test_flops_per_token_takes_the_trainers_parameter_count():
+    """The training loop passes the trainer's count rather than trace the model again."""
+    from model.training.config import TrainConfig
+    from model.training.trainer import Trainer
+
+    trainer = Trainer(TrainConfig(batch_size=2).validate(), TINY, abstract=True)
+    assert trainer.n_params == count_params(abstract())
+    assert flops_per_token(TINY, trainer.n_params) == flops_per_token(TINY)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_causality_by_gradients(variant):
     """d loss(t) / d embedding(s) is zero for every s > t and non-zero for s <= t (nanodo)."""

@@ -283,8 +283,10 @@ def count_params(model: nnx.Module) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
-def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token (forward + backward) at full context, for MFU.
+def flops_per_token(cfg: ModelConfig, n_params: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward) at full context, for MFU. `n_params`:
+    the model's count_params where the caller has it (the trainer does); without it, an
+    abstract model is traced to count them (about half a second).
 
     nanoGPT's estimate_mfu (PaLM appendix B): 6 * N + 12 * L * H * Dh * T, where N counts
     parameters except the position embedding (it does no matmul; the token embedding does
@@ -297,8 +299,9 @@ def flops_per_token(cfg: ModelConfig) -> float:
         >>> flops_per_token(cfg) > 0
         True
     """
-    abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
-    n = count_params(abstract)
+    if n_params is None:
+        n_params = count_params(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    n = n_params
     if cfg.position == "learned":
         n -= cfg.block_size * cfg.n_embd
     if not cfg.tie_embeddings:

@@ -85,7 +85,7 @@ class TrainingLoop:
         self.cfg = trainer.train_cfg
         self.run_dir, self.meta = Path(run_dir), meta
         self.block_size = trainer.model_cfg.block_size
-        self.flops_per_token = flops_per_token(trainer.model_cfg)
+        self.flops_per_token = flops_per_token(trainer.model_cfg, trainer.n_params)
         self.peak = peak_flops(jax.local_devices()[0].device_kind)
         resume_step = start_step or None
         tracker = open_tracker(self.cfg.tracker, self.run_dir, meta["config"], resume_step)
