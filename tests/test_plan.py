@@ -14,6 +14,7 @@ import pytest
 from configs.schema import load_config, resolve_config_path
 from model.accelerators.devices import NAMES, accelerator, accelerator_of_kind
 from model.accelerators.plan import make_plan, planned_config
+from model.processes.cpu_kernels import YNN_FUSION_FLAG
 from plumbing.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +56,10 @@ def test_plan_bytes_agree_with_xla_memory_analysis(case):
     cfg = config(*case)
     plan = make_plan(cfg, accelerator("cpu"), devices=1)
     ratio = plan.bytes_per_device["total"] / xla_bytes(cfg)
-    assert 0.8 <= ratio <= 1.2, ratio
+    # With XLA's own dot kernels (AVX2: model/processes/cpu_kernels.py) XLA needs 10-15% fewer
+    # temporaries than with YNNPACK's, which the plan follows: there it may over-count more.
+    own_kernels = YNN_FUSION_FLAG in os.environ.get("XLA_FLAGS", "")
+    assert 0.8 <= ratio <= (1.25 if own_kernels else 1.2), ratio
 
 
 def test_fsdp_is_counted_per_device_on_four_devices():
