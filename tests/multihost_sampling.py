@@ -23,7 +23,7 @@ def main(run_dir: str) -> dict:
     import jax
 
     from model.decoding.generate import generate_all
-    from model.decoding.sampling import SamplingParams
+    from model.decoding.sampling_params import SamplingParams
     from model.rundir.trained import open_trained_run
     from model.serving.engine import Engine, Request
 

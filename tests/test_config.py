@@ -154,3 +154,25 @@ def test_range_edges_are_accepted(override):
     section, name = key.split(".")
     cfg = load_config(CONFIGS / "shakespeare.toml", [override])
     assert getattr(getattr(cfg, section), name) == float(value)
+
+
+def test_the_config_and_the_help_load_without_jax():
+    """The schema and `tinyllm.py --help` import no JAX or optax (1.5 s of a 2-core machine's
+    start), so help, a bad flag or a `--tokenize` alone answer at once."""
+    from tests.tiny_runs import run_python_json
+
+    script = """
+import io, json, runpy, sys
+import configs.schema
+after_schema = sorted(m for m in ("jax", "optax", "flax") if m in sys.modules)
+sys.argv = ["tinyllm.py", "--help"]
+sys.stdout = io.StringIO()  # the help text
+try:
+    runpy.run_path("tinyllm.py", run_name="__main__")
+except SystemExit:
+    pass
+after_help = sorted(m for m in ("jax", "optax", "flax") if m in sys.modules)
+sys.stdout = sys.__stdout__
+print(json.dumps([after_schema, after_help]))
+"""
+    assert run_python_json(script) == [[], []]

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model.decoding.generate import generate_all
-from model.decoding.sampling import SEED_MAX, SamplingParams
+from model.decoding.sampling_params import SEED_MAX, SamplingParams
 from model.serving.engine import Engine, EngineStopping, QueueFull, Request
 from model.serving.text import StopText
 from plumbing.errors import UsageError

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.accelerators.gpu_host import attention_on, traced_as
 from model.decoding.programs import DEFAULT_CHUNK_SIZE
-from model.decoding.sampling import SamplingParams
+from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import (
     cached_chunk,
     carry_layout,

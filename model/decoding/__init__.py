@@ -6,6 +6,7 @@ steps.py          what the compiled programs run: cache refill and decode steps
 programs.py       the programs, jit-compiled or compiled ahead
 program_cache.py  compiled programs and abstract models kept on disk
 sampling.py       temperature, top-k, top-p
+sampling_params.py  SamplingParams: the settings and their one check (JAX-free)
 prompts.py        prompt text -> ids; the token that ends a sample
 budget.py         memory: refuse a sample count that cannot fit
 clock.py          time to first token, decode rate, the timing line

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Self
 
-from model.decoding.sampling import SamplingParams
+from model.decoding.sampling_params import SamplingParams
 from plumbing import checks
 
 

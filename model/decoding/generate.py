@@ -56,7 +56,7 @@ from flax import nnx
 
 from model.decoding.budget import check_memory
 from model.decoding.programs import DEFAULT_CHUNK_SIZE, DecodePrograms, jit_programs
-from model.decoding.sampling import SamplingParams
+from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import PAD_ID, start_carry, window_size
 from model.network.gpt import GPT
 from plumbing.errors import UsageError

@@ -32,7 +32,7 @@ from jax.experimental import serialize_executable
 
 from model.decoding.budget import check_memory
 from model.decoding.program_cache import ProgramCache, jax_disk_cache_reads
-from model.decoding.sampling import SamplingParams
+from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import chunk_program, refill, start_carry
 from model.network.gpt import GPT
 from model.network.params import sampling_device

@@ -48,7 +48,7 @@ from flax import nnx
 from model.decoding.budget import check_memory
 from model.decoding.generate import prefill_pieces
 from model.decoding.prompts import stop_token_of
-from model.decoding.sampling import SamplingParams
+from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import PAD_ID, refill, start_carry, window_size
 from model.network.gpt import GPT
 from model.network.params import sampling_device

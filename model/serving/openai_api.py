@@ -32,7 +32,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.decoding.sampling import MAX_LOGPROBS, SEED_MAX, SamplingParams
+from model.decoding.sampling import MAX_LOGPROBS
+from model.decoding.sampling_params import SEED_MAX, SamplingParams
 from model.serving.config import ServeConfig
 from plumbing.errors import UsageError
 

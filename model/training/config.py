@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Self
 
 from model.processes.cpu_devices import check_cpu_devices
-from model.training.muon import ORTHOGONALIZERS, POLAR_EXPRESS
+from model.training.muon_coefficients import ORTHOGONALIZERS, POLAR_EXPRESS
 from model.training.tracking import TRACKERS
 from plumbing import checks
 from plumbing.errors import UsageError
