@@ -445,7 +445,12 @@ def run_writing_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
 
         folder = compilation_cache_folder()
         programs = ProgramCache(folder / "programs") if folder is not None else None
-        run_train(cfg, run_dir, resume=args.resume, started=STARTED, programs=programs)
+        settings = command_line_settings(args)
+        data_given = {s.key.removeprefix("data.") for s in settings if s.key.startswith("data.")}
+        run_train(
+            cfg, run_dir, resume=args.resume, started=STARTED, programs=programs,
+            data_given=data_given,
+        )  # fmt: skip
         print(f"tinyllm: {time.perf_counter() - STARTED:.1f} s since start", file=sys.stderr)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import jax
@@ -36,6 +37,7 @@ from model.training.resume import (
     check_same_corpus,
     check_same_optimizer,
     check_steps_left,
+    data_note,
     newest_readable_meta,
     resumed_data,
 )
@@ -54,9 +56,12 @@ def run_train(
     resume: bool = False,
     started: float | None = None,
     programs: ProgramCache | None = None,
+    data_given: Collection[str] | None = None,
 ) -> dict:
     """Train the model of `cfg` on the run's tokenizer and corpus; returns the final metrics.
-    `programs` keeps the compiled programs for the next run of this config.
+    `programs` keeps the compiled programs for the next run of this config. `data_given`: the
+    data fields the command line set, which a resumed run checks against its own (the config
+    file's yield to the run's; model.training.resume.resumed_data).
 
     The caller holds the run directory's lock (model.rundir.lock): this is its only writer.
     """
@@ -78,7 +83,10 @@ def run_train(
             remove_cache_leftovers(run_dir)
         saved = newest_readable_meta(checkpoints, run_dir) if resume else None
         if saved is not None:
-            cfg = dataclasses.replace(cfg, data=resumed_data(cfg.data, saved))
+            data = resumed_data(cfg.data, saved, data_given)
+            if (note := data_note(cfg.data, data)) is not None and is_primary():
+                print(note, file=sys.stderr)
+            cfg = dataclasses.replace(cfg, data=data)
             check_compatible(saved, model_cfg, tokenizer_sha)
             check_same_optimizer(saved, cfg.train)
         corpus = corpus_for(cfg.data)

@@ -235,3 +235,12 @@ def test_tinystories_config_trains_on_a_local_file(tmp_path, capsys, monkeypatch
     code, lines = run_main(capsys, *resume, *TINY_TRAIN, *shrink[:2], "train.max_steps=6")
     assert code == 0, lines
     assert any("resuming at step 4" in line for line in lines), lines
+    # Without --input too: the config's dataset yields to the run's file, and one line says so.
+    resume = ["--train", "--resume", "--config", "tinystories", "--out", out]
+    code, lines = run_main(capsys, *resume, *TINY_TRAIN, *shrink[:2], "train.max_steps=8")
+    assert code == 0, lines
+    assert any("resuming at step 6" in line for line in lines), lines
+    note = f"resume: continuing on the run's data, --input {corpus.resolve()}, not the config's"
+    assert [line for line in lines if line.startswith("resume:")] == [
+        f"{note} --dataset {dataset}"
+    ], lines

@@ -8,6 +8,7 @@ ones it was trained on.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from pathlib import Path
 
 from model.network.config import IMPLEMENTATION_FIELDS, ModelConfig, model_config_of
@@ -81,15 +82,20 @@ def check_same_optimizer(meta: dict, train_cfg) -> None:
             )
 
 
-def resumed_data(data: DataConfig, meta: dict) -> DataConfig:
-    """`data` with the settings the checkpoint was trained on: one left at its default takes
-    the run's value; one given (a flag, an override) must equal it (UsageError)."""
+def resumed_data(data: DataConfig, meta: dict, given: Collection[str] | None = None) -> DataConfig:
+    """`data` with the settings the checkpoint was trained on. `given`: the data fields the
+    command line set (a flag, an override), which must equal the run's (UsageError); every
+    other one takes the run's value, whatever the config file says (a config that names a
+    dataset continues a run trained on --input files on those files). Without `given`, the
+    fields not at their defaults count as given."""
     saved = from_plain(DataConfig, meta["config"].get("data", {}), "data.")
     default = DataConfig()
+    if given is None:
+        given = [name for name in _DATA_FIELDS if getattr(data, name) != getattr(default, name)]
     merged = {}
     for name in _DATA_FIELDS:
         ours, theirs = getattr(data, name), getattr(saved, name)
-        if ours == getattr(default, name):
+        if name not in given:
             merged[name] = theirs
         elif _normalized(name, ours) != _normalized(name, theirs):
             raise UsageError(
@@ -100,6 +106,16 @@ def resumed_data(data: DataConfig, meta: dict) -> DataConfig:
         else:
             merged[name] = ours
     return dataclasses.replace(data, **merged)
+
+
+def data_note(config: DataConfig, resumed: DataConfig) -> str | None:
+    """One line when the run's data replaces the text the config names, else None."""
+    if _describe_data(config) == _describe_data(resumed):
+        return None
+    return (
+        f"resume: continuing on the run's data, {_describe_data(resumed)}, not the config's "
+        f"{_describe_data(config)}"
+    )
 
 
 def check_same_corpus(meta: dict, corpus: Corpus) -> None:
