@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 
 from model.processes.cpu_devices import DEVICE_COUNT_FLAG
@@ -23,6 +24,12 @@ if DEVICE_COUNT_FLAG not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} {DEVICE_COUNT_FLAG}=1".strip()
 # The kernels the CLI picks on this CPU, for this process and the CLI runs it starts alike.
 configure_cpu_kernels()
+
+# Tests interrupt their children as a user's Ctrl-C would. A session started in the background
+# of a shell without job control (`pytest &` in a script) has SIGINT ignored, and children
+# would inherit that; a handler here is reset to the default in each child instead.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The compilation caches (JAX's, and the program cache) live in a folder of this session's own:
 # nothing from earlier runs on this machine decides what a test sees, and nothing is left in
