@@ -206,7 +206,7 @@ def test_the_stop_scan_is_linear_in_the_text():
 
 def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(tokenizer):
     # Rows of different lengths share chunks: each chunk attends over as many cache slots as
-    # its longest row needs (32, 48 or 64 here), and every row slides past the context (64).
+    # its longest row needs (32 or 64 here), and every row slides past the context (64).
     prompts = [prompt_of(20, 3), prompt_of(21, 30), prompt_of(22, 50)]
     settings_of = [SamplingParams(temperature=0.0), SamplingParams(0.9, 5, 0.95, 7),
                    SamplingParams(1.1, 0, 0.9, 8)]  # fmt: skip
@@ -230,3 +230,44 @@ def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(to
             expected = expected[:-1]
         np.testing.assert_array_equal(got, expected)
     engine.stop()
+
+
+def test_a_chunk_leaves_free_rows_caches_as_they_were_and_decodes_busy_rows_alike(model):
+    # Free rows run too (at the last slot of the length attended): what they write must not
+    # reach their kept prompts, and a busy row decodes as it would alone.
+    from flax import nnx
+
+    from model.serving.batch import batch_chunk, batch_settings, empty_batch
+
+    graphdef, state = nnx.split(model)
+    batch = empty_batch(model, rows=4)
+    noise = jax.random.normal(jax.random.key(0), batch["cache"][0]["k"].shape)
+    batch["cache"] = jax.tree.map(lambda x: x + noise, batch["cache"])  # kept prompts
+    batch["pos"] = jnp.array([5, 40, 9, 31], jnp.int32)
+    before = jax.tree.map(np.asarray, batch)
+    settings = jax.tree.map(jnp.asarray, batch_settings(4))
+    active = jnp.array([True, False, True, False])
+    length = 48
+    after, out = batch_chunk(graphdef, state, batch, settings, active, np.int32(4),
+                             chunk_size=4, rows=4, length=length)  # fmt: skip
+    pairs = zip(jax.tree.leaves(before["cache"]), jax.tree.leaves(after["cache"]), strict=True)
+    for old, new in pairs:
+        np.testing.assert_array_equal(np.asarray(new)[[1, 3]], old[[1, 3]])  # every slot
+        np.testing.assert_array_equal(np.asarray(new)[[0, 2], :, 13:], old[[0, 2], :, 13:])
+    assert np.asarray(after["pos"]).tolist() == [9, 40, 13, 31]
+    assert (np.asarray(out["token"])[[1, 3]] == -1).all()
+    alone = empty_batch(model, rows=4)
+    alone["cache"] = jax.tree.map(lambda x: x + noise, alone["cache"])
+    alone["pos"] = jnp.array([5, 0, 0, 0], jnp.int32)
+    _, alone_out = batch_chunk(graphdef, state, alone, settings, jnp.array([True] + [False] * 3),
+                               np.int32(4), chunk_size=4, rows=1, length=length)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out["token"])[0], np.asarray(alone_out["token"])[0])
+
+
+def test_the_full_batch_attends_over_eighths_of_the_context_and_fewer_rows_over_quarters():
+    from model.serving.batch import attention_lengths
+
+    assert attention_lengths(256, fine=True) == [32, 64, 96, 128, 160, 192, 224, 256]
+    assert attention_lengths(256, fine=False) == [64, 128, 256]
+    assert attention_lengths(1024, fine=True)[:2] == [128, 256]
+    assert attention_lengths(64, fine=True) == [32, 64] and attention_lengths(20, True) == [20]

@@ -52,7 +52,14 @@ from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import PAD_ID, refill, start_carry, window_size
 from model.network.gpt import GPT
 from model.network.params import sampling_device
-from model.serving.batch import batch_chunk, batch_settings, empty_batch, put_row, take_row
+from model.serving.batch import (
+    attention_lengths,
+    batch_chunk,
+    batch_settings,
+    empty_batch,
+    put_row,
+    take_row,
+)
 from model.serving.text import StopText
 from tokenizer import Tokenizer
 
@@ -139,10 +146,8 @@ class Engine:
         # Row counts a chunk may run: powers of four below `rows`, and `rows` (admission takes
         # the lowest free row, so few requests stay in few rows).
         self.row_counts = sorted({*(4**i for i in range(rows.bit_length()) if 4**i < rows), rows})
-        # Cache lengths a chunk may attend over: a quarter, half or all of the context (at
-        # least 32 slots), so that short rows cost short attention. Each (row count, length)
-        # pair is a program compiled at start-up (about 2 s each on a 2-core CPU): few.
-        self.lengths = sorted({max(self.size * k // 4, min(32, self.size)) for k in (1, 2, 4)})
+        # Cache lengths a chunk may attend over, per row count (see `attention_lengths`).
+        self.lengths = {n: attention_lengths(self.size, fine=n == rows) for n in self.row_counts}
         # -- the engine thread's own (see the threading contract) --
         self.batch = empty_batch(model, rows)
         self.settings = batch_settings(rows)
@@ -175,8 +180,8 @@ class Engine:
                 self._release(0)
                 self.kept[0] = None  # so the next width runs cold
         self._admit(0, Request([0] * min(self.window + 2, self.size), 2, _ignore))
-        for rows in self.row_counts:
-            for length in self.lengths:
+        for rows, lengths in self.lengths.items():
+            for length in lengths:
                 jax.block_until_ready(self._chunk(1, rows, length))
         self._slide(0, force=True)
         self._release(0)
@@ -217,8 +222,8 @@ class Engine:
                 rows=rows,
                 length=length,
             )
-            for rows in self.row_counts
-            for length in self.lengths
+            for rows, lengths in self.lengths.items()
+            for length in lengths
         ]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             list(pool.map(lambda lower: lower().compile(), jobs))
@@ -430,7 +435,7 @@ class Engine:
             rows = next(n for n in self.row_counts if n >= needed)
         if length is None:
             needed = int(self.pos[active].max()) + steps if active.any() else 1
-            length = next(n for n in self.lengths if n >= needed)
+            length = next(n for n in self.lengths[rows] if n >= needed)
         settings, active_on_device = self._device_inputs(active)
         self.batch, out = batch_chunk(
             self.graphdef,
