@@ -299,9 +299,9 @@ def flops_per_token(cfg: ModelConfig, n_params: int | None = None) -> float:
         >>> flops_per_token(cfg) > 0
         True
     """
-    if n_params is None:
-        n_params = count_params(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
     n = n_params
+    if n is None:
+        n = count_params(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
     if cfg.position == "learned":
         n -= cfg.block_size * cfg.n_embd
     if not cfg.tie_embeddings:

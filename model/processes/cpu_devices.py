@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+from model.processes.xla_flags import add_xla_flag, xla_flags
 from plumbing.errors import UsageError
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -54,11 +55,10 @@ def configure_cpu_devices(requested: int, micro_batch: int) -> int | None:
     Returns the count set, or None when left alone: the user already chose a count in
     XLA_FLAGS (theirs wins), or one device is the answer.
     """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if DEVICE_COUNT_FLAG in flags:
+    if DEVICE_COUNT_FLAG in xla_flags():
         return None
     n = cpu_device_count(requested, micro_batch, len(os.sched_getaffinity(0)))
     if n == 1:
         return None
-    os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={n}".strip()
+    add_xla_flag(DEVICE_COUNT_FLAG, str(n))
     return n

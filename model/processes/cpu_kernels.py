@@ -25,9 +25,9 @@ device, as the CPU device count does (model/processes/cpu_devices.py). JAX-free.
 
 from __future__ import annotations
 
-import os
 from collections.abc import MutableMapping
 
+from model.processes.xla_flags import add_xla_flag
 from plumbing.machine import vector_units
 
 YNN_FUSION_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
@@ -42,10 +42,5 @@ def configure_cpu_kernels(
     """Turn XLA:CPU's YNNPACK fusions off in XLA_FLAGS on a CPU whose widest vector unit is in
     OWN_KERNELS_ON (`units`: plumbing.machine.vector_units() by default), unless the flag is
     already there. Returns whether it was added."""
-    env = os.environ if env is None else env
     units = vector_units() if units is None else units
-    flags = env.get("XLA_FLAGS", "")
-    if YNN_FUSION_FLAG in flags or units not in OWN_KERNELS_ON:
-        return False
-    env["XLA_FLAGS"] = f"{flags} {YNN_FUSION_FLAG}=".strip()
-    return True
+    return units in OWN_KERNELS_ON and add_xla_flag(YNN_FUSION_FLAG, "", env)

@@ -17,8 +17,9 @@ already; the flag does nothing there. JAX-free.
 
 from __future__ import annotations
 
-import os
 from collections.abc import MutableMapping
+
+from model.processes.xla_flags import add_xla_flag, xla_flags
 
 DETERMINISM_FLAG = "--xla_gpu_deterministic_ops"
 
@@ -26,10 +27,7 @@ DETERMINISM_FLAG = "--xla_gpu_deterministic_ops"
 def configure_determinism(on: bool, env: MutableMapping[str, str] | None = None) -> bool:
     """Add the determinism flag to XLA_FLAGS when `on` (the user's own setting of the flag,
     either way, wins). Returns whether the flag is now on."""
-    env = os.environ if env is None else env
-    flags = env.get("XLA_FLAGS", "")
+    flags = xla_flags(env)
     if DETERMINISM_FLAG in flags:
         return f"{DETERMINISM_FLAG}=true" in flags or f"{DETERMINISM_FLAG}=1" in flags
-    if on:
-        env["XLA_FLAGS"] = f"{flags} {DETERMINISM_FLAG}=true".strip()
-    return on
+    return on and add_xla_flag(DETERMINISM_FLAG, "true", env)

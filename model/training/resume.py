@@ -110,12 +110,10 @@ def resumed_data(data: DataConfig, meta: dict, given: Collection[str] | None = N
 
 def data_note(config: DataConfig, resumed: DataConfig) -> str | None:
     """One line when the run's data replaces the text the config names, else None."""
-    if _describe_data(config) == _describe_data(resumed):
+    theirs, runs = _describe_data(config), _describe_data(resumed)
+    if theirs == runs:
         return None
-    return (
-        f"resume: continuing on the run's data, {_describe_data(resumed)}, not the config's "
-        f"{_describe_data(config)}"
-    )
+    return f"resume: continuing on the run's data, {runs}, not the config's {theirs}"
 
 
 def check_same_corpus(meta: dict, corpus: Corpus) -> None:
