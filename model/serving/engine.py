@@ -159,6 +159,9 @@ class Engine:
         self.texts: list[StopText | None] = [None] * rows
         self.kept: list[KeptPrefix | None] = [None] * rows
         self._in_flight: Launched | None = None  # the chunk launched last, not yet delivered
+        # The compiled programs (`_compile_ahead`): by (rows, length) and (width, scored).
+        self._chunk_programs: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._refill_programs: dict[tuple[int, bool], jax.stages.Compiled] = {}
         # -- shared, under _lock --
         self._lock = threading.Condition()
         self.waiting: collections.deque[Request] = collections.deque()
@@ -190,10 +193,12 @@ class Engine:
 
     def _compile_ahead(self) -> None:
         """Compile every program this engine runs on a pool of threads (XLA compiles outside
-        the GIL); the warm-up calls in `start` then find them compiled."""
+        the GIL) and keep them: the engine calls them as compiled, the warm-up in `start`
+        first (each program's first run pays one-time set-up costs there)."""
         row = start_carry(self.model, np.zeros(2, np.int32), 1, use_cache=True)
         scalar = np.int32(0)
         settings, active = self._device_inputs(np.zeros(self.rows, bool))
+        refills = [(width, scored) for scored in (False, True) for width in self.prefill_widths]
         jobs = [
             partial(
                 refill.lower,
@@ -206,9 +211,9 @@ class Engine:
                 width=width,
                 scored=scored,
             )
-            for scored in (False, True)
-            for width in self.prefill_widths
+            for width, scored in refills
         ]
+        chunks = [(rows, length) for rows, lengths in self.lengths.items() for length in lengths]
         jobs += [
             partial(
                 batch_chunk.lower,
@@ -222,11 +227,14 @@ class Engine:
                 rows=rows,
                 length=length,
             )
-            for rows, lengths in self.lengths.items()
-            for length in lengths
+            for rows, length in chunks
         ]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(lambda lower: lower().compile(), jobs))
+            compiled = list(pool.map(lambda lower: lower().compile(), jobs))
+        # Programs are called as compiled: through jit, each call hashed the model's graphdef
+        # to find its program, 1-3 ms a call on a 2-core CPU, more than a small model's chunk.
+        self._refill_programs = dict(zip(refills, compiled[: len(refills)], strict=True))
+        self._chunk_programs = dict(zip(chunks, compiled[len(refills) :], strict=True))
 
     def submit(self, request: Request) -> None:
         """Queue a request: QueueFull when `queue_size` wait already, EngineStopping once
@@ -372,9 +380,7 @@ class Engine:
         scored = request.scores_prompt
 
         def run(carry, shift, at, keep, width):
-            out = refill(
-                self.graphdef, self.state, carry, shift, at, keep, width=width, scored=scored
-            )
+            out = self._refill_programs[width, scored](self.state, carry, shift, at, keep)
             return out if scored else (out, None)
 
         row, scores = prefill_pieces(
@@ -414,10 +420,7 @@ class Engine:
         shift = max(int(self.pos[slot]) - keep, 0)
 
         def run(carry, shift, at, keep, width):
-            out = refill(
-                self.graphdef, self.state, carry, shift, at, keep, width=width, scored=False
-            )
-            return out, None
+            return self._refill_programs[width, False](self.state, carry, shift, at, keep), None
 
         row = prefill_pieces(run, row, shift=shift, keep=keep, widths=(self.window,))[0]
         self.batch = put_row(self.batch, row, np.int32(slot))
@@ -436,18 +439,9 @@ class Engine:
         if length is None:
             needed = int(self.pos[active].max()) + steps if active.any() else 1
             length = next(n for n in self.lengths[rows] if n >= needed)
-        settings, active_on_device = self._device_inputs(active)
-        self.batch, out = batch_chunk(
-            self.graphdef,
-            self.state,
-            self.batch,
-            settings,
-            active_on_device,
-            np.int32(steps),
-            chunk_size=self.chunk_steps,
-            rows=rows,
-            length=length,
-        )
+        settings, on_device = self._device_inputs(active)
+        program = self._chunk_programs[rows, length]
+        self.batch, out = program(self.state, self.batch, settings, on_device, np.int32(steps))
         self.pos[active] += steps
         return out
 
