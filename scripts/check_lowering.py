@@ -74,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         groups = _choices(args.programs, GROUPS, "programs")
         # Before JAX starts: the CPU device count is read once, when its backend starts.
         from model.processes.cpu_devices import DEVICE_COUNT_FLAG
+        from model.processes.xla_flags import without_xla_flag, xla_flags
 
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if DEVICE_COUNT_FLAG not in f]
-        os.environ["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={args.devices}"])
+        flags = without_xla_flag(DEVICE_COUNT_FLAG, xla_flags())
+        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={args.devices}".strip()
         import jax
 
         if jax.device_count() != args.devices:  # JAX started before (called in-process)

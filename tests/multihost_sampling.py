@@ -25,7 +25,8 @@ def main(run_dir: str) -> dict:
     from model.decoding.generate import generate_all
     from model.decoding.sampling_params import SamplingParams
     from model.rundir.trained import open_trained_run
-    from model.serving.engine import Engine, Request
+    from model.serving.engine import Engine
+    from model.serving.requests import Request
 
     tokenizer, model, _ = open_trained_run(run_dir).load()
     prompt = tokenizer.encode("to be or")

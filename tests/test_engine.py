@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from model.decoding.generate import generate_all
 from model.decoding.sampling_params import SEED_MAX, SamplingParams
-from model.serving.engine import Engine, EngineStopping, QueueFull, Request
+from model.serving.engine import Engine
+from model.serving.requests import EngineStopping, QueueFull, Request
 from model.serving.text import StopText
 from plumbing.errors import UsageError
 from tests.tiny_models import forward, tiny_model

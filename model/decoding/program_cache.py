@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from model.processes.cpu_devices import DEVICE_COUNT_FLAG
-from model.processes.xla_flags import xla_flags
+from model.processes.xla_flags import without_xla_flag, xla_flags
 from plumbing.atomic import write_atomic
 from plumbing.hashing import files_sha256
 
@@ -166,13 +166,9 @@ def environment() -> dict[str, Any]:
         # run in the same process splits the CPU into several) changes nothing in them.
         "device": [device.platform, device.device_kind, device.client.platform_version],
         "cpu": _cpu_sha256(),
-        "xla_flags": _flags_without_device_count(xla_flags()),
+        "xla_flags": without_xla_flag(DEVICE_COUNT_FLAG, xla_flags()),
         "settings": {name: str(getattr(jax.config, name, None)) for name in _JAX_SETTINGS},
     }
-
-
-def _flags_without_device_count(flags: str) -> str:
-    return " ".join(f for f in flags.split() if not f.startswith(DEVICE_COUNT_FLAG))
 
 
 def _package_source_sha256() -> str:

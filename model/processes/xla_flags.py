@@ -7,6 +7,8 @@ before anything touches a device. JAX-free.
     (True, '--a=1 --b=2')
     >>> add_xla_flag("--a", "3", env), env["XLA_FLAGS"]
     (False, '--a=1 --b=2')
+    >>> without_xla_flag("--a", env["XLA_FLAGS"])
+    '--b=2'
 """
 
 from __future__ import annotations
@@ -29,3 +31,8 @@ def add_xla_flag(flag: str, value: str, env: MutableMapping[str, str] | None = N
         return False
     env["XLA_FLAGS"] = f"{flags} {flag}={value}".strip()
     return True
+
+
+def without_xla_flag(flag: str, flags: str) -> str:
+    """`flags` (an XLA_FLAGS value) without any setting of `flag`."""
+    return " ".join(f for f in flags.split() if f != flag and not f.startswith(f"{flag}="))

@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from model.decoding.prompts import END_OF_TEXT, encode_prompt, stop_token_of
 from model.serving.config import ServeConfig
-from model.serving.engine import Engine, EngineStopping, QueueFull, Request
+from model.serving.engine import Engine
 from model.serving.guard import HostCheck, bound_hosts
 from model.serving.logprobs import Scored, chat_logprobs, completion_logprobs
 from model.serving.metrics import ServeMetrics
@@ -55,6 +55,7 @@ from model.serving.openai_api import (
     parse_completion,
     usage,
 )
+from model.serving.requests import EngineStopping, QueueFull, Request
 from plumbing.errors import UsageError
 from tokenizer import Tokenizer
 

@@ -34,12 +34,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -48,59 +45,17 @@ from flax import nnx
 from model.decoding.budget import check_memory
 from model.decoding.generate import prefill_pieces
 from model.decoding.prompts import stop_token_of
-from model.decoding.sampling_params import SamplingParams
-from model.decoding.steps import PAD_ID, refill, start_carry, window_size
+from model.decoding.steps import PAD_ID, start_carry, window_size
 from model.network.gpt import GPT
 from model.network.params import sampling_device
-from model.serving.batch import (
-    attention_lengths,
-    batch_chunk,
-    batch_settings,
-    empty_batch,
-    put_row,
-    take_row,
-)
+from model.serving.batch import batch_settings, empty_batch, put_row, take_row
+from model.serving.programs import EnginePrograms
+from model.serving.requests import EngineStopping, QueueFull, Request
 from model.serving.text import StopText
 from tokenizer import Tokenizer
 
 DEFAULT_CHUNK_STEPS = 8
 log = logging.getLogger("tinyllm")
-
-
-class QueueFull(Exception):
-    """The waiting queue is full: answer 429 at once."""
-
-
-class EngineStopping(Exception):
-    """The engine drains or has stopped: answer 503 at once."""
-
-
-@dataclass
-class Request:
-    """One completion to generate. `on_event(kind, data)` is called on the engine thread with
-    ("prompt", scores) first when `echo` and `logprobs` ask for the prompt's log-probabilities
-    (`token_scores` arrays for prompt tokens 1..n-1), then ("text", str) pieces, each after
-    ("tokens", scores) for the tokens behind it when `logprobs` is set, then ("done",
-    {"finish_reason", "prompt_tokens", "completion_tokens"}) or ("error", message).
-    max_tokens 0 scores the prompt and generates nothing."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    on_event: Callable[[str, object], None]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # None: none; else each token's, with the 5 best alternatives
-    echo: bool = False
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    generated: int = 0  # the engine thread's count of tokens sent
-
-    def cancel(self) -> None:
-        """The client is gone: the engine frees the row at the next chunk boundary."""
-        self.cancelled.set()
-
-    @property
-    def scores_prompt(self) -> bool:
-        return self.echo and self.logprobs is not None
 
 
 @dataclass
@@ -141,13 +96,10 @@ class Engine:
         self.window = window_size(self.size)
         self.stop_token = stop_token_of(tokenizer)
         self.graphdef, self.state = nnx.split(model)
-        # Prompt pieces a prefill may run: 16, 32, ... up to --inference's refill window.
-        self.prefill_widths = sorted({min(2**i, self.window) for i in range(4, 16)} | {self.window})
-        # Row counts a chunk may run: powers of four below `rows`, and `rows` (admission takes
-        # the lowest free row, so few requests stay in few rows).
-        self.row_counts = sorted({*(4**i for i in range(rows.bit_length()) if 4**i < rows), rows})
-        # Cache lengths a chunk may attend over, per row count (see `attention_lengths`).
-        self.lengths = {n: attention_lengths(self.size, fine=n == rows) for n in self.row_counts}
+        # The shapes of chunk and prefill it runs, compiled in `start`.
+        self.programs = EnginePrograms(
+            size=self.size, window=self.window, rows=rows, chunk_steps=chunk_steps
+        )
         # -- the engine thread's own (see the threading contract) --
         self.batch = empty_batch(model, rows)
         self.settings = batch_settings(rows)
@@ -159,9 +111,6 @@ class Engine:
         self.texts: list[StopText | None] = [None] * rows
         self.kept: list[KeptPrefix | None] = [None] * rows
         self._in_flight: Launched | None = None  # the chunk launched last, not yet delivered
-        # The compiled programs (`_compile_ahead`): by (rows, length) and (width, scored).
-        self._chunk_programs: dict[tuple[int, int], jax.stages.Compiled] = {}
-        self._refill_programs: dict[tuple[int, bool], jax.stages.Compiled] = {}
         # -- shared, under _lock --
         self._lock = threading.Condition()
         self.waiting: collections.deque[Request] = collections.deque()
@@ -174,67 +123,22 @@ class Engine:
     # -- the public side (any thread) ---------------------------------------------------------
 
     def start(self) -> None:
-        """Compile the programs (side by side, then a request through every path), then
-        serve."""
-        self._compile_ahead()
+        """Compile the programs (side by side), run a request through every one (a program's
+        first run pays one-time set-up costs), then serve."""
+        settings, active = self._device_inputs(np.zeros(self.rows, bool))
+        self.programs.compile(self.model, self.graphdef, self.state, self.batch, settings, active)
         for scored in (False, True):
-            for width in self.prefill_widths:
+            for width in self.programs.prefill_widths:
                 self._admit(0, Request([0] * (width + 1), 2, _ignore, logprobs=0, echo=scored))
                 self._release(0)
                 self.kept[0] = None  # so the next width runs cold
         self._admit(0, Request([0] * min(self.window + 2, self.size), 2, _ignore))
-        for rows, lengths in self.lengths.items():
-            for length in lengths:
-                jax.block_until_ready(self._chunk(1, rows, length))
+        for rows, length in self.programs.shapes():
+            jax.block_until_ready(self._chunk(1, rows, length))
         self._slide(0, force=True)
         self._release(0)
         self.kept[0] = None
         self._thread.start()
-
-    def _compile_ahead(self) -> None:
-        """Compile every program this engine runs on a pool of threads (XLA compiles outside
-        the GIL) and keep them: the engine calls them as compiled, the warm-up in `start`
-        first (each program's first run pays one-time set-up costs there)."""
-        row = start_carry(self.model, np.zeros(2, np.int32), 1, use_cache=True)
-        scalar = np.int32(0)
-        settings, active = self._device_inputs(np.zeros(self.rows, bool))
-        refills = [(width, scored) for scored in (False, True) for width in self.prefill_widths]
-        jobs = [
-            partial(
-                refill.lower,
-                self.graphdef,
-                self.state,
-                row,
-                scalar,
-                scalar,
-                scalar,
-                width=width,
-                scored=scored,
-            )
-            for width, scored in refills
-        ]
-        chunks = [(rows, length) for rows, lengths in self.lengths.items() for length in lengths]
-        jobs += [
-            partial(
-                batch_chunk.lower,
-                self.graphdef,
-                self.state,
-                self.batch,
-                settings,
-                active,
-                scalar,
-                chunk_size=self.chunk_steps,
-                rows=rows,
-                length=length,
-            )
-            for rows, length in chunks
-        ]
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            compiled = list(pool.map(lambda lower: lower().compile(), jobs))
-        # Programs are called as compiled: through jit, each call hashed the model's graphdef
-        # to find its program, 1-3 ms a call on a 2-core CPU, more than a small model's chunk.
-        self._refill_programs = dict(zip(refills, compiled[: len(refills)], strict=True))
-        self._chunk_programs = dict(zip(chunks, compiled[len(refills) :], strict=True))
 
     def submit(self, request: Request) -> None:
         """Queue a request: QueueFull when `queue_size` wait already, EngineStopping once
@@ -380,11 +284,11 @@ class Engine:
         scored = request.scores_prompt
 
         def run(carry, shift, at, keep, width):
-            out = self._refill_programs[width, scored](self.state, carry, shift, at, keep)
+            out = self.programs.refills[width, scored](self.state, carry, shift, at, keep)
             return out if scored else (out, None)
 
         row, scores = prefill_pieces(
-            run, row, shift=0, keep=keep, widths=self.prefill_widths, start=start
+            run, row, shift=0, keep=keep, widths=self.programs.prefill_widths, start=start
         )
         if scored:  # the reused positions' scores come from the kept prefix
             scores = {k: np.concatenate([kept.scores[k][:start], v[0]]) if start else v[0]
@@ -420,7 +324,7 @@ class Engine:
         shift = max(int(self.pos[slot]) - keep, 0)
 
         def run(carry, shift, at, keep, width):
-            return self._refill_programs[width, False](self.state, carry, shift, at, keep), None
+            return self.programs.refills[width, False](self.state, carry, shift, at, keep), None
 
         row = prefill_pieces(run, row, shift=shift, keep=keep, widths=(self.window,))[0]
         self.batch = put_row(self.batch, row, np.int32(slot))
@@ -428,19 +332,19 @@ class Engine:
         self.kept[slot] = None  # the cache now holds other tokens at those positions
 
     def _chunk(self, steps: int, rows: int | None = None, length: int | None = None):
-        """One compiled chunk over the first rows that hold every busy slot (the smallest
-        count in `row_counts` that does), attending over the fewest cache slots that hold
-        every busy row's context to the chunk's end (`lengths`); its outputs as the device
-        computes them, {name: [rows, chunk_size, ...]}."""
+        """One compiled chunk over the first rows that hold every busy slot, attending over
+        the fewest cache slots that hold every busy row's context to the chunk's end
+        (`EnginePrograms.shape_for`; `rows` and `length` given: that shape); its outputs as
+        the device computes them, {name: [rows, chunk_size, ...]}."""
         active = np.array([r is not None for r in self.slots])
-        if rows is None:
-            needed = int(np.flatnonzero(active).max()) + 1 if active.any() else 1
-            rows = next(n for n in self.row_counts if n >= needed)
-        if length is None:
-            needed = int(self.pos[active].max()) + steps if active.any() else 1
-            length = next(n for n in self.lengths[rows] if n >= needed)
+        if rows is None or length is None:
+            busy = np.flatnonzero(active)
+            rows, length = self.programs.shape_for(
+                rows=int(busy.max()) + 1 if busy.size else 1,
+                length=int(self.pos[busy].max()) + steps if busy.size else 1,
+            )
         settings, on_device = self._device_inputs(active)
-        program = self._chunk_programs[rows, length]
+        program = self.programs.chunks[rows, length]
         self.batch, out = program(self.state, self.batch, settings, on_device, np.int32(steps))
         self.pos[active] += steps
         return out
