@@ -10,7 +10,7 @@ is checked against the field's type. Overrides use the same dotted names as the 
 the text comes from (`data.input`, `data.dataset`) also drops the file's other source
 (`ALTERNATIVES`), so `--input my.txt` trains on the file with a config that names a dataset.
 
-    >>> cfg = load_config("configs/shakespeare_char.toml", ["train.max_steps=10"])  # doctest: +SKIP
+    >>> cfg = load_config("configs/shakespeare_char.toml", ["train.max_steps=10"])
     >>> cfg.train.max_steps
     10
 """

@@ -8,7 +8,7 @@ runs in the loop (model/training/loop.py), which writes checkpoints, metrics.jso
 to `train.tracker`, model/training/tracking.py) and the loss curve.
 
     >>> cfg = load_config("configs/shakespeare_char.toml")               # doctest: +SKIP
-    >>> run_train(cfg, Path("runs/shakespeare_char"))["val_loss"]
+    >>> run_train(cfg, Path("runs/shakespeare_char"))["val_loss"]  # doctest: +SKIP
     1.47
 """
 

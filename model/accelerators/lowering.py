@@ -24,7 +24,7 @@ cuda in bf16 the model picks cuDNN flash attention) and lowered with
     program, before lowering hides it behind an upcast).
 
     >>> results = lower_all(load_config("configs/shakespeare.toml"), ("tpu",))  # doctest: +SKIP
-    >>> all(r.ok for r in results)
+    >>> all(r.ok for r in results)  # doctest: +SKIP
     True
 """
 

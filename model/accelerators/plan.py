@@ -18,7 +18,9 @@ Sizes come from the model's abstract shapes (nothing allocated) and the project'
 FLOPs per token are nanoGPT's 6N + 12 L D T (model/network/gpt.py `flops_per_token`); the
 step time assumes a stated model-FLOPs utilisation of the device's dense bf16 peak.
 
-    >>> cfg = planned_config(load_config(resolve_config_path("gpt2_124m")))  # doctest: +SKIP
+    >>> from configs.schema import load_config, resolve_config_path
+    >>> from model.accelerators.devices import accelerator
+    >>> cfg = planned_config(load_config(resolve_config_path("gpt2_124m")))
     >>> make_plan(cfg, accelerator("h100-sxm")).fits
     True
 """

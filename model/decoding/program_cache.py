@@ -21,8 +21,8 @@ entry holds code that will run: the folder must be the user's own (the default i
 ~/.cache).
 
     >>> cache = ProgramCache(Path("~/.cache/tinyllm/xla/programs").expanduser())  # doctest: +SKIP
-    >>> cache.get("abstract-model", cfg_dict) is None        # a miss: build it, then
-    >>> cache.put("abstract-model", cfg_dict, value)         # the next process gets it
+    >>> cache.get("abstract-model", cfg_dict) is None  # a miss: build it  # doctest: +SKIP
+    >>> cache.put("abstract-model", cfg_dict, value)  # the next process gets it  # doctest: +SKIP
 """
 
 from __future__ import annotations

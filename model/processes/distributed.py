@@ -189,7 +189,7 @@ def lost_peer_line(index: int, detail: str) -> str:
     """The one line a training process ends with when it loses a peer.
 
     >>> lost_peer_line(1, "connection reset")[:60]
-    'tinyllm: error: training process 1 lost another training pr'
+    'tinyllm: error: training process 1 lost another training pro'
     """
     return (
         f"tinyllm: error: training process {index} lost another training process ({detail}): "

@@ -18,9 +18,9 @@ interrupted deletion never leaves a half-deleted step that looks like a
 checkpoint.
 
     >>> ckpt = Checkpoints(run_dir)                                # doctest: +SKIP
-    >>> ckpt.save(100, params, opt_state, {"config": cfg.to_dict()})
+    >>> ckpt.save(100, params, opt_state, {"config": cfg.to_dict()})  # doctest: +SKIP
     >>> step, (params, opt_state, meta) = ckpt.restore_newest(
-    ...     lambda s: ckpt.restore(s, params, opt_state))
+    ...     lambda s: ckpt.restore(s, params, opt_state))  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ restores the newest intact weights and checks that the tokenizer is the one they
 trained (or quantized) with.
 
     >>> run = open_trained_run("runs/shakespeare")             # doctest: +SKIP
-    >>> tokenizer, model, meta = run.load()
-    >>> meta["step"], meta["config"]["model"]["n_layer"]
+    >>> tokenizer, model, meta = run.load()  # doctest: +SKIP
+    >>> meta["step"], meta["config"]["model"]["n_layer"]  # doctest: +SKIP
     (1500, 4)
 """
 

@@ -18,10 +18,10 @@ highest busy slot needs (1, 4 or 16 of 16). Each row count and length is its own
 compiled program, all compiled at start-up.
 
     >>> batch = empty_batch(model, rows=4)                           # doctest: +SKIP
-    >>> batch = put_row(batch, row_carry, np.int32(2))
+    >>> batch = put_row(batch, row_carry, np.int32(2))  # doctest: +SKIP
     >>> batch, out = batch_chunk(graphdef, state, batch, settings, active, np.int32(4),
-    ...                          chunk_size=8, rows=4)
-    >>> out["token"].shape
+    ...                          chunk_size=8, rows=4)  # doctest: +SKIP
+    >>> out["token"].shape  # doctest: +SKIP
     (4, 8)
 """
 

@@ -25,8 +25,8 @@ status, under `_lock`, and a request's `cancelled` event. `submit` raises QueueF
 queue is full and EngineStopping once the engine drains or stops.
 
     >>> engine = Engine(model, tokenizer, rows=16, queue_size=64)     # doctest: +SKIP
-    >>> engine.start()
-    >>> engine.submit(Request(prompt_ids=[1, 2], max_tokens=8, on_event=print))
+    >>> engine.start()  # doctest: +SKIP
+    >>> engine.submit(Request(prompt_ids=[1, 2], max_tokens=8, on_event=print))  # doctest: +SKIP
 """
 
 from __future__ import annotations

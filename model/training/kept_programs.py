@@ -18,7 +18,7 @@ processes compile their own (the cache is for one).
 
     >>> step = KeptProgram(jax.jit(f), cache, "train-step", {"train": ..., "model": ...},
     ...                    devices)                                        # doctest: +SKIP
-    >>> state, metrics = step(state, x, y)   # the first call loads or compiles
+    >>> state, metrics = step(state, x, y)   # the first call loads or compiles  # doctest: +SKIP
 """
 
 from __future__ import annotations
