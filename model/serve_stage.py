@@ -104,7 +104,7 @@ def stopping_server_class():
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
                 self.engine.drain()
-                self.server.close_bodies()
+                self.server.bodies.close()
                 timer = threading.Timer(GRACE_S - 1, self.engine.stop)
                 timer.daemon = True
                 timer.start()

@@ -29,20 +29,20 @@ import json
 import secrets
 import time
 from pathlib import Path
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from model.decoding.prompts import END_OF_TEXT, encode_prompt, stop_token_of
+from model.serving.bodies import BodyReader, Gone
 from model.serving.config import ServeConfig
 from model.serving.engine import Engine
 from model.serving.guard import HostCheck, bound_hosts
+from model.serving.job import Job
 from model.serving.logprobs import Scored, chat_logprobs, completion_logprobs
 from model.serving.metrics import ServeMetrics
 from model.serving.openai_api import (
@@ -55,64 +55,11 @@ from model.serving.openai_api import (
     parse_completion,
     usage,
 )
-from model.serving.requests import EngineStopping, QueueFull, Request
+from model.serving.requests import EngineStopping, QueueFull
 from plumbing.errors import UsageError
 from tokenizer import Tokenizer
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
-
-
-class Gone(Exception):
-    """The client left before its request was read: nobody to answer."""
-
-
-class Job:
-    """One prompt's engine request and what comes back for it (events arrive on the loop)."""
-
-    def __init__(self, index: int, ids: list[int], text: str, completion: Completion, loop):
-        self.index, self.ids, self.prompt_text = index, ids, text
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.request = Request(
-            prompt_ids=ids,
-            max_tokens=completion.max_tokens,
-            on_event=lambda kind, data: loop.call_soon_threadsafe(
-                self.events.put_nowait, (kind, data)
-            ),
-            sampling=completion.sampling,
-            stop=completion.stop,
-            logprobs=completion.logprobs,
-            echo=completion.echo,
-        )
-        self.pieces: list[str] = []
-        self.scored = Scored()
-        self.done: dict | None = None
-        self.queued_at = time.perf_counter()
-        self.first_at: float | None = None
-
-    async def next_event(self) -> tuple[str, Any]:
-        """The next event, with the prompt's and tokens' scores recorded on the way."""
-        kind, data = await self.events.get()
-        if kind == "prompt":
-            self.scored.add(self.ids[:1], None)
-            self.scored.add(self.ids[1:], data)
-        elif kind in ("tokens", "text") and self.first_at is None:
-            self.first_at = time.perf_counter()
-        if kind == "tokens":
-            self.scored.add(data["token"], data)
-        elif kind == "text":
-            self.pieces.append(data)
-        elif kind == "done":
-            self.done = data
-        return kind, data
-
-    async def finish(self) -> str | None:
-        """Wait for the end: None when done, else why not ("gone", or the error message)."""
-        while True:
-            kind, data = await self.next_event()
-            if kind == "done":
-                return None
-            if kind in ("gone", "error"):
-                return "gone" if kind == "gone" else data
 
 
 class Server:
@@ -128,10 +75,7 @@ class Server:
         longest = max(len(token) for token in tokenizer.vocab.values())
         # A prompt of more bytes than this cannot fit, whatever it is: refused before encoding.
         self.max_prompt_bytes = self.max_prompt * max(longest, 1)
-        self.buffered = 0  # request-body bytes held by all requests now being read
-        self.closing = False  # shutting down: bodies still being sent get 503
-        self._deadlines: set = set()  # the body reads' timeouts (the event loop's own)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.bodies = BodyReader(cfg)
         self.metrics = ServeMetrics(engine.stats)
 
     # -- routes ---------------------------------------------------------------------------------
@@ -172,7 +116,7 @@ class Server:
 
     async def tokenize(self, request: HttpRequest) -> JSONResponse:
         self.authorize(request)
-        body = await self.body(request)
+        body = await self.bodies.read(request)
         text = body.get("prompt") if isinstance(body, dict) else None
         if not isinstance(text, str):
             raise ApiError(400, "'prompt' is required and must be a string")
@@ -184,7 +128,7 @@ class Server:
 
     async def detokenize(self, request: HttpRequest) -> JSONResponse:
         self.authorize(request)
-        body = await self.body(request)
+        body = await self.bodies.read(request)
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list):
             raise ApiError(400, "'tokens' is required and must be a list of token ids")
@@ -193,11 +137,12 @@ class Server:
 
     async def completions(self, request: HttpRequest):
         self.authorize(request)
-        return await self.answer(request, parse_completion(await self.body(request), self.cfg))
+        body = await self.bodies.read(request)
+        return await self.answer(request, parse_completion(body, self.cfg))
 
     async def chat(self, request: HttpRequest):
         self.authorize(request)
-        return await self.answer(request, parse_chat(await self.body(request), self.cfg))
+        return await self.answer(request, parse_chat(await self.bodies.read(request), self.cfg))
 
     # -- the parts ------------------------------------------------------------------------------
 
@@ -211,58 +156,6 @@ class Server:
         matches = secrets.compare_digest(token.strip().encode("latin-1"), key.encode("ascii"))
         if scheme.lower() != "bearer" or not matches:
             raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY", "auth")
-
-    async def body(self, request: HttpRequest) -> Any:
-        """The JSON body: its size, the bytes buffered across requests and the time to send it
-        are bounded."""
-        limit = self.cfg.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, self._too_large())
-        data = bytearray()
-        self._loop = asyncio.get_running_loop()
-        deadline = None
-        try:
-            async with asyncio.timeout(self.cfg.request_timeout_s) as deadline:
-                self._deadlines.add(deadline)
-                if self.closing:
-                    deadline.reschedule(self._loop.time())
-                async for part in request.stream():
-                    if self.buffered + len(part) > self.cfg.max_buffered_bytes:
-                        raise ApiError(503, "the server is reading too many bodies: retry later")
-                    data += part
-                    self.buffered += len(part)
-                    if len(data) > limit:
-                        raise ApiError(413, self._too_large())
-        except TimeoutError:
-            if self.closing:
-                raise ApiError(503, "the server is shutting down", "server_busy") from None
-            raise ApiError(408, "the request body was not sent in time") from None
-        except ClientDisconnect:
-            raise Gone from None
-        finally:
-            self.buffered -= len(data)
-            self._deadlines.discard(deadline)
-        try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON") from None
-        except RecursionError:
-            raise ApiError(400, "the request body is nested too deeply") from None
-
-    def close_bodies(self) -> None:
-        """Shutdown began (any thread, a signal handler too): requests whose bodies are still
-        being sent get 503 now, rather than being cancelled mid-read when the grace ends."""
-        self.closing = True
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._expire_deadlines)
-
-    def _expire_deadlines(self) -> None:
-        for deadline in list(self._deadlines):
-            deadline.reschedule(self._loop.time())
-
-    def _too_large(self) -> str:
-        return f"the request body is larger than {self.cfg.max_request_bytes} bytes"
 
     def check_ids(self, ids: list, what: str) -> None:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
@@ -465,7 +358,7 @@ def build_app(
     counted = _Counted(app, server.metrics)
     allowed = bound_hosts(cfg.host, port, cfg.allowed_hosts)
     guarded = HostCheck(counted, allowed, cfg.allowed_hosts, keyed=bool(cfg.api_key))
-    guarded.server = server  # for the stage's shutdown (Server.close_bodies)
+    guarded.server = server  # for the stage's shutdown (server.bodies.close)
     return guarded
 
 

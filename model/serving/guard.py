@@ -10,7 +10,7 @@
   request head within `header_timeout_s` of opening, or of its last answer, is closed.
 
 The body's own limits (its size, the bytes buffered across all requests, the time to send
-it) are the routes' (model/serving/app.py).
+it) are the body reader's (model/serving/bodies.py).
 """
 
 from __future__ import annotations
