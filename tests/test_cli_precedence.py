@@ -9,6 +9,7 @@ import json
 import pytest
 
 import tinyllm
+from configs.command_line import SHORTHANDS
 from configs.schema import load_config
 from plumbing.errors import UsageError
 from tests.test_cli import assert_one_line_error, run_main
@@ -99,13 +100,13 @@ def every_key(tmp_path):
 
 
 def test_every_shorthand_is_checked():
-    assert set(FLAG_WINS) == set(tinyllm.SHORTHANDS)
+    assert set(FLAG_WINS) == set(SHORTHANDS)
 
 
 @pytest.mark.parametrize("dest", sorted(FLAG_WINS))
 def test_each_flag_wins_over_the_config_file(capsys, every_key, dest):
     argv, expected = FLAG_WINS[dest]
-    key = tinyllm.SHORTHANDS[dest]
+    key = SHORTHANDS[dest]
     before = dotted(load_config(every_key), key)
     assert before != expected  # the file sets something else
     cfg, lines = command_line_config(capsys, "--plan", "--config", str(every_key), *argv)

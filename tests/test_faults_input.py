@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import tinyllm
+from configs.command_line import OVERRIDE_ITEM, split_list_overrides
 from plumbing.atomic import write_atomic
 from tests.test_cli import assert_one_line_error, run_main
 
@@ -262,7 +263,7 @@ def test_input_name_that_is_not_utf8(tmp_path, capsys, text_file):
 
 def parse(argv: list[str]):
     args = tinyllm.build_parser().parse_args(argv)
-    assert tinyllm.split_list_overrides(args) is None
+    assert split_list_overrides(args) is None
     return args
 
 
@@ -292,12 +293,12 @@ def test_docstring_examples_parse_as_meant():
     for command in commands:
         # Written so that even a parser whose --input takes everything reads it right.
         raw = tinyllm.build_parser().parse_args(shlex.split(command))
-        assert not any(tinyllm.OVERRIDE_ITEM.match(i) for i in raw.input or []), command
+        assert not any(OVERRIDE_ITEM.match(i) for i in raw.input or []), command
         args = parse(shlex.split(command))
         for item in args.input or []:
             assert "=" not in item and Path(item).suffix == ".txt", command
         for item in args.overrides:
-            assert tinyllm.OVERRIDE_ITEM.match(item), command
+            assert OVERRIDE_ITEM.match(item), command
     assert any(
         o == "train.max_steps=200" for c in commands for o in parse(shlex.split(c)).overrides
     )

@@ -1,0 +1,109 @@
+"""The command line as config values: each shorthand flag (`--input`, `--temperature`) stands
+for a dotted key (`data.input`, `sample.temperature`), and trailing `key=value` pairs set keys
+directly. The command line wins over the config file; within it, a flag and a pair that set one
+key to different values are refused, as are two sources of training text (docs/cli.md).
+
+    >>> import argparse
+    >>> args = argparse.Namespace(input=["a.txt", "train.max_steps=5"], special_tokens=None,
+    ...                           overrides=[])
+    >>> split_list_overrides(args), args.input, args.overrides
+    (None, ['a.txt'], ['train.max_steps=5'])
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from typing import NamedTuple
+
+from configs.schema import parse_override
+
+# flag -> dotted config key; flags are shorthands for config values.
+SHORTHANDS = {
+    "init_from": "init_from",
+    "input": "data.input",
+    "dataset": "data.dataset",
+    "dataset_config": "data.dataset_config",
+    "split": "data.split",
+    "text_field": "data.text_field",
+    "tokenizer": "tokenizer.kind",
+    "vocab_size": "tokenizer.vocab_size",
+    "special_tokens": "tokenizer.special_tokens",
+    "pattern": "tokenizer.pattern",
+    "prompt": "sample.prompt",
+    "max_new_tokens": "sample.max_new_tokens",
+    "temperature": "sample.temperature",
+    "top_k": "sample.top_k",
+    "top_p": "sample.top_p",
+    "seed": "sample.seed",
+    "num_samples": "sample.num_samples",
+    "host": "serve.host",
+    "port": "serve.port",
+    "api_key": "serve.api_key",
+}
+
+
+# A dotted config key with a value (train.max_steps=200): where `--input` stops taking files.
+OVERRIDE_ITEM = re.compile(r"^[A-Za-z_]+(\.[A-Za-z_0-9]+)+=")
+
+
+def split_list_overrides(args: argparse.Namespace) -> str | None:
+    """Move what a list flag (`--input`, `--special-tokens`) took from its first dotted
+    `key=value` on to the overrides.
+
+    `--input a.txt train.max_steps=200` means one file and one override; a file whose name has
+    an `=` but no dotted key before it (`x=1.txt`) stays a file. Returns an error message when
+    `--input` is left with no file.
+    """
+    for name in ("input", "special_tokens"):
+        items = getattr(args, name)
+        for i, item in enumerate(items or ()):
+            if OVERRIDE_ITEM.match(item):
+                setattr(args, name, items[:i])
+                args.overrides = [*args.overrides, *items[i:]]
+                if name == "input" and i == 0:
+                    return f"--input needs a file before the config override {item!r}"
+                break
+    return None
+
+
+class Setting(NamedTuple):
+    """One config value the command line sets."""
+
+    key: str  # dotted config key: data.input
+    value: object
+    typed: str  # as the user typed it: `--input my.txt` or `data.input=["my.txt"]`
+    flag: bool  # a shorthand flag, not a key=value pair
+
+
+def command_line_settings(args: argparse.Namespace) -> list[Setting]:
+    """Every config value the command line sets: the shorthand flags, then the key=value
+    pairs in their order (a later pair wins over an earlier one)."""
+    settings = []
+    for dest, key in SHORTHANDS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            flag = "--" + dest.replace("_", "-")
+            items = value if isinstance(value, list) else [value]
+            settings.append(Setting(key, value, shlex.join([flag, *map(str, items)]), True))
+    if args.no_kv_cache:
+        settings.append(Setting("sample.kv_cache", False, "--no-kv-cache", True))
+    for item in args.overrides:
+        key, value = parse_override(item)
+        settings.append(Setting(key, value, item, False))
+    return settings
+
+
+def settings_conflict(settings: list[Setting]) -> str | None:
+    """Two things on one command line that disagree, or None: a flag and a key=value pair
+    that set one key to different values (argparse keeps no order between them to let the
+    later win), or both sources of training text (--input and --dataset)."""
+    final = {s.key: s for s in settings}  # the last pair of a key, else its flag
+    for flag in (s for s in settings if s.flag):
+        if final[flag.key].value != flag.value:
+            return f"{flag.typed} and {final[flag.key].typed} both set {flag.key}: give one"
+    sources = [final[key] for key in ("data.input", "data.dataset") if key in final]
+    if len(sources) == 2 and all(s.value for s in sources):
+        return f"{sources[0].typed} and {sources[1].typed} both name the training text: give one"
+    return None
