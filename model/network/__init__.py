@@ -9,4 +9,6 @@ rope.py         rotary position embeddings
 activations.py  GELU forms written for speed on XLA:CPU
 params.py       the abstract model (shapes without initialising) and parameter names
 precision.py    what a matrix product computes in bf16 and float32, on every platform
+loss.py         the losses: next-token cross-entropy, and multi-token prediction's
+value_embed.py  value embeddings: token-embedding rows mixed into attention's values
 """

@@ -6,4 +6,5 @@ cpu_kernels.py  XLA's own dot kernels rather than YNNPACK's on AVX2 CPUs, set be
 distributed.py  several processes and hosts: start-up, who writes, agreeing to stop
 stderr_guard.py a lost peer as one line: the filter between JAX's native stderr and the terminal
 determinism.py  train.deterministic: XLA's deterministic GPU kernels, set before JAX starts
+xla_flags.py    XLA_FLAGS written in one place (the user's own setting wins)
 """
