@@ -9,26 +9,17 @@ from __future__ import annotations
 
 import doctest
 import importlib
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("configs", "model", "plumbing", "tokenizer")
+from tests.test_layout import PACKAGES, ROOT, module_files
 
-
-def _modules_with_examples() -> list[str]:
-    paths = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
-    names = []
-    for path in paths:
-        if ">>>" not in path.read_text(encoding="utf-8"):
-            continue
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return names
-
-
-MODULES = _modules_with_examples()
+# The package modules whose docstrings hold examples (the CLI and the scripts hold none).
+MODULES = [
+    name
+    for name, path in module_files(ROOT).items()
+    if name.split(".")[0] in PACKAGES and ">>>" in path.read_text(encoding="utf-8")
+]
 
 
 def test_the_examples_are_found():
