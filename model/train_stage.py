@@ -97,6 +97,7 @@ def run_train(
             tokenizer_sha,
         )  # fmt: skip
         trainer = Trainer(cfg.train, model_cfg, programs=programs)
+        trainer.prefetch_programs()  # read on a thread of their own while the state is made
         state = _starting_state(trainer, checkpoints, cfg, resume)
         _print_summary(trainer, splits, state.steps_taken())
         meta = {

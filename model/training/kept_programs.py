@@ -16,8 +16,16 @@ compiles once, and then reads its own entry. A loaded program that fails its fir
 before its arguments were donated, is compiled again and replaces its entry. Several
 processes compile their own (the cache is for one).
 
+Reading a kept program back takes XLA a while (half a second for a small model's training
+step on a 2-core machine), and XLA does most of it off the Python thread. `prefetch` starts
+that read on a thread of its own from the arguments' shapes, so that it runs while the process
+builds its first state; the first call then waits only for what is left of it. Nothing is
+traced or compiled off the main thread: a program that is not kept is compiled by the first
+call, as without `prefetch`.
+
     >>> step = KeptProgram(jax.jit(f), cache, "train-step", {"train": ..., "model": ...},
     ...                    devices)                                        # doctest: +SKIP
+    >>> step.prefetch(state_shapes, x_shape, y_shape)  # reads it meanwhile  # doctest: +SKIP
     >>> state, metrics = step(state, x, y)   # the first call loads or compiles  # doctest: +SKIP
 """
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -33,6 +42,9 @@ from jax.experimental import serialize_executable
 from model.decoding.program_cache import ProgramCache, jax_disk_cache_off
 
 _LOG = logging.getLogger("tinyllm")
+# One reader for every prefetch, so that programs load in the order they were asked for (the
+# first one needed first).
+_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kept-program-reader")
 
 
 class KeptProgram:
@@ -53,13 +65,25 @@ class KeptProgram:
         self.devices = list(devices)
         self._programs: dict[Any, Any] = {}
         self._unproven: set = set()  # loaded from disk, not yet run
+        self._reading: dict[Any, Future] = {}  # prefetched: the program or None, when read
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.jitted, name)
 
+    def prefetch(self, *args) -> None:
+        """Start reading the kept program for `args` (arrays, or ShapeDtypeStructs with the
+        shardings the call's arrays will have) on the reader thread; the call with arguments
+        of that signature takes it from there. A program that is not kept is left to that
+        call to compile."""
+        signature = _signature(*jax.tree_util.tree_flatten(args))
+        if signature in self._programs or signature in self._reading:
+            return
+        entry = self._entry(args)
+        self._reading[signature] = _READER.submit(self._read, entry)
+
     def __call__(self, *args):
         leaves, treedef = jax.tree_util.tree_flatten(args)
-        signature = (treedef, tuple(_leaf_signature(x) for x in leaves))
+        signature = _signature(leaves, treedef)
         program = self._programs.get(signature)
         if program is None:
             program = self._programs[signature] = self._load_or_compile(args, signature)
@@ -84,11 +108,16 @@ class KeptProgram:
         ]
         return {**self.arguments, "inputs": inputs}
 
+    def _read(self, entry: dict[str, Any]) -> Any:
+        """The kept program of `entry`, loaded; None if there is none (or it does not load)."""
+        stored = self.cache.get(self.kind, entry)
+        return _deserialize(stored, self.devices) if stored is not None else None
+
     def _load_or_compile(self, args: tuple, signature) -> Any:
-        stored = self.cache.get(self.kind, self._entry(args))
-        program = _deserialize(stored, self.devices) if stored is not None else None
+        reading = self._reading.pop(signature, None)
+        program = self._read(self._entry(args)) if reading is None else reading.result()
         if program is not None:
-            _LOG.debug("%s: kept program read", self.kind)
+            _LOG.debug("%s: kept program read%s", self.kind, "" if reading is None else " ahead")
             self._unproven.add(signature)
             return program
         return self._compile_and_keep(args)
@@ -114,8 +143,21 @@ def kept(jitted, cache: ProgramCache | None, kind: str, arguments: dict, devices
     return KeptProgram(jitted, cache, kind, arguments, devices)
 
 
+def _signature(leaves: list, treedef) -> tuple:
+    """What tells one compiled program of a function from another: the arguments' tree and
+    each leaf's shape, dtype, weak type and sharding (arrays and ShapeDtypeStructs alike)."""
+    return treedef, tuple(_leaf_signature(x) for x in leaves)
+
+
 def _leaf_signature(x) -> tuple:
-    return tuple(getattr(x, name, None) for name in ("shape", "dtype", "weak_type", "sharding"))
+    # A PRNG key array has no weak_type (it is never weak); its ShapeDtypeStruct says False.
+    weak = bool(getattr(x, "weak_type", False))
+    return (
+        getattr(x, "shape", None),
+        getattr(x, "dtype", None),
+        weak,
+        getattr(x, "sharding", None),
+    )
 
 
 def _deserialize(stored: Any, devices: list[jax.Device]):

@@ -49,7 +49,7 @@ from model.processes.mesh import (
 from model.quantization.kernels import fake_quant_tree
 from model.training.config import TrainConfig
 from model.training.data import TokenSplits, sample_batch
-from model.training.kept_programs import kept
+from model.training.kept_programs import KeptProgram, kept
 from model.training.optim import make_optimizer
 from plumbing.errors import UsageError
 
@@ -251,6 +251,27 @@ class Trainer:
     def _state(self, params, opt_state, step: int) -> TrainState:
         step_on_mesh = put_batch(np.asarray(step, np.int32), self.state_shardings.step)
         return TrainState(params, opt_state, step_on_mesh, self._base_key())
+
+    def prefetch_programs(self) -> None:
+        """Start reading the kept step and evaluation programs (KeptProgram.prefetch) while
+        the caller builds the first state: the step for a fresh run's first batch, then
+        evaluation. Without kept programs this does nothing."""
+        t, replicated = self.train_cfg, NamedSharding(self.mesh, P())
+        shapes = self._state_shapes
+
+        def batch(shape: tuple) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+
+        x = batch(self._batch_shape(None, 0))
+        chunk = eval_chunk(t.eval_steps, t.eval_rows * self.model_cfg.block_size)
+        x_eval = batch((chunk, t.eval_rows, self.model_cfg.block_size))
+        total = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+        for program, args in (
+            (self.train_step, (shapes, x, x)),
+            (self.eval_batches, (shapes.params, x_eval, x_eval, total)),
+        ):
+            if isinstance(program, KeptProgram):
+                program.prefetch(*args)
 
     # -- the compiled functions ------------------------------------------------------------
 
