@@ -58,10 +58,18 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
     (nano / "data" / "shakespeare_char" / "prepare.py").write_text(
         "import pathlib\nassert pathlib.Path('input.txt').stat().st_size > 0\n"
     )
+    # The timed call is the README's command (20 eval batches) saving its checkpoint; the
+    # untimed one resumes it and evaluates 200 batches: its loss is the target.
     (nano / "train.py").write_text(
-        "import sys\nassert '--eval_iters=200' in sys.argv and '--max_iters=2000' in sys.argv\n"
-        "print('step 0: train loss 4.1000, val loss 4.2000')\n"
-        "print('step 2000: train loss 1.8000, val loss 9.5000')\n"
+        "import sys\nargs = sys.argv\nassert '--max_iters=2000' in args\n"
+        "if '--init_from=resume' in args:\n"
+        "    assert '--eval_iters=200' in args\n"
+        "    print('step 2000: train loss 1.8000, val loss 9.5000')\n"
+        "else:\n"
+        "    assert '--eval_iters=20' in args and '--eval_iters=200' not in args\n"
+        "    assert '--always_save_checkpoint=True' in args\n"
+        "    print('step 0: train loss 4.1000, val loss 4.2000')\n"
+        "    print('step 2000: train loss 1.8000, val loss 9.4000')\n"
     )
     text = write_word_corpus(tmp_path / "words.txt", 300)
     proc = subprocess.run(
@@ -75,6 +83,7 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1].startswith("9.5000 in ") and cells[3].endswith("x") and cells[4] == "yes"
     assert "machine: " in proc.stdout  # the CPU model beside the table
+    assert "nanoGPT's val loss 9.4000 on its 20 batches, 9.5000 on 200" in proc.stderr
 
 
 def test_time_to_loss_ablation_gives_equal_steps_and_equal_time(tmp_path):
