@@ -55,24 +55,12 @@ FAST_CONFIG = ROOT / "configs" / "shakespeare_char_fast.toml"
 # nanoGPT README's CPU command (scripts/bench_train.py keeps it), to the end, timed as written;
 # its checkpoint saved at every evaluation (not only when the 20-batch estimate improved), so
 # that the last iteration's weights are there to evaluate.
-NANOGPT_COMMAND = [
-    "train.py",
-    *NANOGPT_ARGS,
-    "--max_iters=2000",
-    "--lr_decay_iters=2000",
-    "--always_save_checkpoint=True",
-]
+_NANOGPT_RUN = ["train.py", *NANOGPT_ARGS, "--max_iters=2000", "--lr_decay_iters=2000"]
+NANOGPT_COMMAND = [*_NANOGPT_RUN, "--always_save_checkpoint=True"]
 # Untimed: the saved iteration-2000 model's loss on 200 validation batches. Resumed at 2000,
 # train.py evaluates first (2000 is a multiple of its eval_interval); the one step it then
 # takes before stopping is not looked at.
-NANOGPT_TARGET = [
-    "train.py",
-    *NANOGPT_ARGS,
-    "--max_iters=2000",
-    "--lr_decay_iters=2000",
-    "--eval_iters=200",
-    "--init_from=resume",
-]
+NANOGPT_TARGET = [*_NANOGPT_RUN, "--eval_iters=200", "--init_from=resume"]
 NANOGPT_FILES = ["train.py", "model.py", "configurator.py", "config"]
 # The fast config with one recipe option undone or added at a time: (name, overrides).
 ABLATIONS = [

@@ -256,16 +256,10 @@ class Trainer:
         """Start reading the kept step and evaluation programs (KeptProgram.prefetch) while
         the caller builds the first state: the step for a fresh run's first batch, then
         evaluation. Without kept programs this does nothing."""
-        t, replicated = self.train_cfg, NamedSharding(self.mesh, P())
-        shapes = self._state_shapes
-
-        def batch(shape: tuple) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
-
-        x = batch(self._batch_shape(None, 0))
-        chunk = eval_chunk(t.eval_steps, t.eval_rows * self.model_cfg.block_size)
-        x_eval = batch((chunk, t.eval_rows, self.model_cfg.block_size))
-        total = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+        t, shapes = self.train_cfg, self._state_shapes
+        x = self._batch_struct(self._batch_shape(None, 0))
+        x_eval = self._batch_struct((self._eval_chunk(), t.eval_rows, self.model_cfg.block_size))
+        total = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(self.mesh, P()))
         for program, args in (
             (self.train_step, (shapes, x, x)),
             (self.eval_batches, (shapes.params, x_eval, x_eval, total)),
@@ -339,8 +333,16 @@ class Trainer:
     def batch_shapes(self, rows: int | None = None) -> tuple:
         """`batch`'s (x, y) as ShapeDtypeStructs with their sharding, for tracing (training:
         the full train.batch_size, the largest program a batch-size schedule runs)."""
-        x = jax.ShapeDtypeStruct(self._batch_shape(rows), jnp.int32, sharding=self.batch_sharding)
+        x = self._batch_struct(self._batch_shape(rows))
         return x, x
+
+    def _batch_struct(self, shape: tuple) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+
+    def _eval_chunk(self) -> int:
+        """Validation batches per evaluation program (eval_chunk)."""
+        t = self.train_cfg
+        return eval_chunk(t.eval_steps, t.eval_rows * self.model_cfg.block_size)
 
     def _batch_shape(self, rows: int | None, step: int | None = None) -> tuple[int, int, int]:
         """[grad_accum, micro-batch, T] for training (`step`'s batch size, or without a step
@@ -357,7 +359,7 @@ class Trainer:
         runs as one program: one call per batch cost a small model more in dispatch than in
         arithmetic. The losses add up in batch order, in float32, as one call per batch did."""
         t = self.train_cfg
-        chunk = eval_chunk(t.eval_steps, t.eval_rows * self.model_cfg.block_size)
+        chunk = self._eval_chunk()
         total = self._zero()
         for start in range(0, t.eval_steps, chunk):
             pairs = [
