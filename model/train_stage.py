@@ -29,7 +29,12 @@ from model.processes.determinism import configure_determinism
 from model.processes.distributed import initialize_from_env, is_primary, wait_for_primary
 from model.rundir.checkpoints import Checkpoints
 from model.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, check_run_dir
-from model.training.data import TokenSplits, load_token_splits, remove_cache_leftovers
+from model.training.data import (
+    TokenSplits,
+    check_splits,
+    load_token_splits,
+    remove_cache_leftovers,
+)
 from model.training.loop import TrainingLoop
 from model.training.memory import check_training_memory
 from model.training.resume import (
@@ -96,6 +101,7 @@ def run_train(
             corpus, tokenizer, run_dir / TOKENIZER_FILE, run_dir, cfg.data.val_fraction,
             tokenizer_sha,
         )  # fmt: skip
+        check_splits(splits, model_cfg.block_size)  # now, not at the first evaluation
         trainer = Trainer(cfg.train, model_cfg, programs=programs)
         trainer.prefetch_programs()  # read on a thread of their own while the state is made
         state = _starting_state(trainer, checkpoints, cfg, resume)

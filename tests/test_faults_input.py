@@ -354,6 +354,23 @@ def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, capsys,
         assert not (out / name).exists(), name
 
 
+def test_validation_split_shorter_than_the_context_is_refused_before_training(
+    tmp_path, capsys, text_file
+):
+    """1% of the 2,360 characters is 23, under one 64-character window: one line before the first
+    step, not at the first evaluation after all the steps (and nothing saved)."""
+    out = tmp_path / "run"
+    code, lines = run_main(
+        capsys, "--tokenize", "--train", *CHAR, "--input", text_file, "--out", out,
+        "model.block_size=64", "data.val_fraction=0.01", "train.max_steps=3",
+    )  # fmt: skip
+    assert_one_line_error(code, lines, "the validation split has 23 tokens", "(64 + 1)")
+    assert not any(line.startswith("train [") for line in lines), lines
+    assert not any((out / "checkpoints").rglob("*"))
+    for name in ("config.json", "metrics.jsonl"):
+        assert not (out / name).exists(), name
+
+
 def test_memory_lower_bound_admits_the_shipped_configs():
     """The estimate is a lower bound: the shipped models pass where they are meant to run (the
     124M GPT-2 config on one 80 GB GPU, where JAX's allocator takes 75% of it: about 58 GiB;

@@ -180,6 +180,26 @@ def _build_cache(corpus, tokenizer, cache: Path, key: dict) -> dict:
     return meta
 
 
+def check_window(tokens: np.ndarray, block_size: int, split: str) -> None:
+    """UsageError unless `tokens` holds one window of the context plus its next token.
+
+    >>> check_window(np.arange(9), 8, "validation")  # 8 + 1 tokens: one window, enough
+    """
+    if len(tokens) <= block_size:
+        raise UsageError(
+            f"the {split} split has {len(tokens)} tokens, fewer than the context "
+            f"({block_size} + 1): use more text, a larger data.val_fraction or a smaller "
+            "block_size"
+        )
+
+
+def check_splits(splits: TokenSplits, block_size: int) -> None:
+    """Both splits hold a window of the context: checked before the first step, so that a
+    validation split too short is not found at the first evaluation, after the training."""
+    check_window(splits.train, block_size, "training")
+    check_window(splits.val, block_size, "validation")
+
+
 def sample_batch(
     tokens: np.ndarray, batch_size: int, block_size: int, seed: int, step: int, stream: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -191,11 +211,7 @@ def sample_batch(
     >>> x.shape, bool((y[:, :-1] == x[:, 1:]).all())
     ((2, 8), True)
     """
-    if len(tokens) <= block_size:
-        raise UsageError(
-            f"the {('training', 'validation')[stream]} split has {len(tokens)} tokens, "
-            f"fewer than the context ({block_size} + 1): use more text or a smaller block_size"
-        )
+    check_window(tokens, block_size, ("training", "validation")[stream])
     rng = np.random.default_rng([seed, stream, step])
     offsets = rng.integers(0, len(tokens) - block_size, size=batch_size)
     window = np.stack([tokens[o : o + block_size + 1] for o in offsets]).astype(np.int32)
