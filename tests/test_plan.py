@@ -181,6 +181,24 @@ def test_train_refuses_on_an_accelerator_what_the_plan_says_cannot_fit(monkeypat
     line = str(refused.value)
     assert line.startswith("this model needs about ") and "--plan shows the plan" in line
     assert "free memory on cuda:0" in line and "\n" not in line
+    assert "at least 19.5 GiB" in line  # the state and half the plan's activations
     small = config("shakespeare_char")
     with traced_as("cuda"):
         memory.check_training_memory(small.model, small.train)  # fits: no error
+
+
+def test_train_starts_with_a_note_where_only_the_plans_activations_do_not_fit(monkeypatch, capsys):
+    """24 GiB free: under the plan's 37.2 GiB but over the state and half its activations
+    (XLA on an H200 kept 0.54 of the plan's): the run starts, with one line saying so."""
+    import model.training.memory as memory
+    from model.accelerators.gpu_host import traced_as
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [FakeGPU()])
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 24 * 2**30)
+    cfg = config("gpt2_124m")
+    with traced_as("cuda"):
+        memory.check_training_memory(cfg.model, cfg.train)
+    note = capsys.readouterr().err
+    assert note.startswith("train: note: the plan says about 37.2 GiB to train")
+    assert "more than the 24.0 GiB of free memory on cuda:0" in note
+    assert note.count("\n") == 1
