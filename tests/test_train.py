@@ -289,7 +289,7 @@ def test_evaluate_windows_scores_every_window_once():
     x, y = (jnp.asarray(a, jnp.int32) for a in (windows[:, :-1], windows[:, 1:]))
     expected = float(cross_entropy(model(x), y))
     np.testing.assert_allclose(evaluate_windows(model, tokens, rows=3), expected, rtol=1e-5)
-    with pytest.raises(UsageError, match="no window"):
+    with pytest.raises(UsageError, match="fewer than the context"):
         evaluate_windows(model, tokens[:16])
 
 

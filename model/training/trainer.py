@@ -48,10 +48,9 @@ from model.processes.mesh import (
 )
 from model.quantization.kernels import fake_quant_tree
 from model.training.config import TrainConfig
-from model.training.data import TokenSplits, sample_batch
+from model.training.data import TokenSplits, check_window, sample_batch
 from model.training.kept_programs import KeptProgram, kept
 from model.training.optim import make_optimizer
-from plumbing.errors import UsageError
 
 if TYPE_CHECKING:
     from model.decoding.program_cache import ProgramCache
@@ -64,9 +63,8 @@ def evaluate_windows(model: GPT, tokens: np.ndarray, rows: int = 64) -> float:
     nanoGPT's estimate_loss does): for comparing runs whose sampled figures differ by noise.
     """
     t = model.cfg.block_size
+    check_window(tokens, t, "validation")
     starts = np.arange(0, len(tokens) - t, t)
-    if len(starts) == 0:
-        raise UsageError(f"{len(tokens)} tokens hold no window of {t} + 1")
     graphdef, state = nnx.split(model)
 
     @jax.jit
