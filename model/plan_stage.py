@@ -83,6 +83,8 @@ def describe(plan: Plan) -> list[str]:
     ]
     lines += [f"    {part:<12} {human_bytes(m[part]):>11}" for part in PARTS]
     verdict = "fits" if plan.fits else "DOES NOT FIT"
+    if not plan.fits and plan.may_fit:  # a GPU's XLA keeps about half the plan's activations
+        verdict = "MAY FIT (with half the activations; --train starts)"
     lines.append(f"    {'total':<12} {human_bytes(total):>11}  {verdict} in {memory}")
     serve = "fits" if plan.serve_bytes <= plan.memory_per_device else "DOES NOT FIT"
     lines.append(

@@ -129,6 +129,22 @@ def plan_in_process(capsys, *args: str) -> str:
     return capsys.readouterr().out
 
 
+def test_plan_says_may_fit_where_train_starts_with_a_note(capsys):
+    """GPT-2 small on a 40 GB A100's 30 GiB share: over the plan's 37.2 GiB, within the state
+    and half its activations (19.5 GiB), as --train judges it; a TPU's plan stands."""
+    lines = plan_in_process(capsys, "--config", "gpt2_124m", "--device", "a100-40gb")
+    [total] = [line for line in lines.splitlines() if line.split()[0] == "total"]
+    assert "MAY FIT (with half the activations; --train starts)" in total
+    plan = json.loads(
+        plan_in_process(capsys, "--json", "--config", "gpt2_124m", "--device", "a100-40gb")
+    )
+    assert plan["fits"] is False and plan["may_fit"] is True
+    tpu = json.loads(
+        plan_in_process(capsys, "--json", "--config", "gpt2_124m", "--device", "tpu-v5e")
+    )
+    assert tpu["fits"] is False and tpu["may_fit"] is False
+
+
 def test_cli_plan_json_and_text(capsys):
     plan = json.loads(
         plan_in_process(capsys, "--json", "--config", "gpt2_124m", "--device", "tpu-v5e")

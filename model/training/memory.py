@@ -4,11 +4,9 @@ clear line, not an out-of-memory traceback minutes later.
 
 On an accelerator the check is the plan's (model/accelerators/plan.py, what `--plan` prints):
 parameters, gradients, optimizer state and activations per device, as the run will lay them
-out, against the device's free memory. The plan's activations are autodiff's traced residuals,
-of which XLA on a GPU keeps less: on an H200, GPT-2 small's shape (a character vocabulary)
-peaked at 10.3 GiB where the plan said 18.1 GiB, its activations about 0.54 of the plan's. So
-there a run is refused only when it cannot fit with half the plan's activations; between that
-and the plan it starts, with a note.
+out, against the device's free memory. On a GPU, where XLA keeps less than the plan's
+activations, a run is refused only when it cannot fit with half of them (plan.surely_needed);
+between that and the plan it starts, with a note.
 
 On CPU every device shares the host's memory. A quick lower bound comes first, from what
 training surely holds at once: float32 parameters, their gradients and the optimizer's moments
@@ -34,8 +32,6 @@ from plumbing.errors import UsageError
 from plumbing.memory import available_bytes, human_bytes
 
 PLAN_SHARE = 0.25  # on CPU, the plan is made once the lower bound passes this share
-# On an accelerator, the share of the plan's activations a run surely holds (measured: 0.54).
-ACTIVATIONS_SURELY = 0.5
 
 
 def optimizer_floats(cfg: ModelConfig, optimizer: str = "adamw") -> int:
@@ -93,7 +89,7 @@ def check_training_memory(model_cfg: ModelConfig, train_cfg) -> None:
 
 
 def _check_plan(model_cfg: ModelConfig, train_cfg, device, n: int, have: int) -> None:
-    from model.accelerators.plan import training_plan_bytes
+    from model.accelerators.plan import surely_needed, training_plan_bytes
 
     per_device = training_plan_bytes(model_cfg, train_cfg, n)
     on_cpu = device.platform == "cpu"
@@ -105,8 +101,8 @@ def _check_plan(model_cfg: ModelConfig, train_cfg, device, n: int, have: int) ->
     where = "available memory" if on_cpu else f"free memory on {device}"
     each = f"{human_bytes(per_device['total'])} on each of {n} devices" if n > 1 else ""
     plan = f"{human_bytes(need)} to train ({each + '; ' if each else ''}{parts}; --plan shows"
-    floor = need - (1 - ACTIVATIONS_SURELY) * per_device["activations"]
-    if not on_cpu and floor <= have:
+    floor = surely_needed(per_device, device.platform) * (n if on_cpu else 1)
+    if floor < need and floor <= have:
         if is_primary():
             print(
                 f"train: note: the plan says about {plan} the plan), more than the "
@@ -115,7 +111,7 @@ def _check_plan(model_cfg: ModelConfig, train_cfg, device, n: int, have: int) ->
                 file=sys.stderr,
             )
         return
-    surely = "" if on_cpu else f", at least {human_bytes(floor)}"
+    surely = f", at least {human_bytes(floor)}" if floor < need else ""
     raise UsageError(
         f"this model needs about {plan} the plan{surely}), more than the {human_bytes(have)} "
         f"of {where}: {_ADVICE}"
