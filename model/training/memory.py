@@ -100,21 +100,21 @@ def _check_plan(model_cfg: ModelConfig, train_cfg, device, n: int, have: int) ->
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in per_device.items() if k != "total")
     where = "available memory" if on_cpu else f"free memory on {device}"
     each = f"{human_bytes(per_device['total'])} on each of {n} devices" if n > 1 else ""
-    plan = f"{human_bytes(need)} to train ({each + '; ' if each else ''}{parts}; --plan shows"
+    sized = f"{human_bytes(need)} to train ({each + '; ' if each else ''}{parts}"
     floor = surely_needed(per_device, device.platform) * (n if on_cpu else 1)
-    if floor < need and floor <= have:
+    if floor <= have:  # under the plan's total (need > have): a GPU's share of activations
         if is_primary():
             print(
-                f"train: note: the plan says about {plan} the plan), more than the "
-                f"{human_bytes(have)} of {where}, but XLA keeps less than the plan's "
+                f"train: note: the plan says about {sized}; --plan shows the plan), more than "
+                f"the {human_bytes(have)} of {where}, but XLA keeps less than the plan's "
                 f"activations: starting; if it runs out of memory, {_ADVICE}",
                 file=sys.stderr,
             )
         return
     surely = f", at least {human_bytes(floor)}" if floor < need else ""
     raise UsageError(
-        f"this model needs about {plan} the plan{surely}), more than the {human_bytes(have)} "
-        f"of {where}: {_ADVICE}"
+        f"this model needs about {sized}; --plan shows the plan{surely}), more than the "
+        f"{human_bytes(have)} of {where}: {_ADVICE}"
     )
 
 
