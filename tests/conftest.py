@@ -16,6 +16,8 @@ import shutil
 import signal
 import tempfile
 
+import pytest
+
 from model.processes.cpu_devices import DEVICE_COUNT_FLAG
 from model.processes.cpu_kernels import configure_cpu_kernels
 
@@ -37,3 +39,20 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 _session_cache = tempfile.mkdtemp(prefix="tinyllm-test-cache-")
 atexit.register(shutil.rmtree, _session_cache, True)
 os.environ["TINYLLM_XLA_CACHE"] = _session_cache
+
+PRECISION_VARIABLE = "JAX_DEFAULT_MATMUL_PRECISION"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def float32_products_on_accelerators():
+    """On a GPU or TPU, float32 products by default are TF32 or one bf16 pass
+    (model/network/precision.py), and the suite's same-values tests (cached = full forward,
+    one device = four, resumed = uninterrupted) would compare that rounding instead of the
+    code. There the suite asks for float32 products, in this process and the runs it starts;
+    on a CPU they are float32 already and nothing changes. A user's own setting wins."""
+    import jax
+
+    if jax.default_backend() != "cpu" and PRECISION_VARIABLE not in os.environ:
+        os.environ[PRECISION_VARIABLE] = "highest"
+        jax.config.update("jax_default_matmul_precision", "highest")
+    yield

@@ -56,7 +56,9 @@ def test_forced_choices_and_dropout():
 
 def test_auto_resolves_to_xla_on_this_cpu():
     platform, capability = backend_facts()
-    assert (platform, capability) == ("cpu", None)
+    if platform != "cpu":
+        pytest.skip(f"a CPU fact; this machine runs JAX on {platform}")
+    assert capability is None
     assert choose(platform=platform, capability=capability, dtype="float32") == "xla"
 
 

@@ -309,8 +309,9 @@ def test_host_checksums_equal_the_device_ones(monkeypatch, dtype):
         leaves = [x > 0 for x in leaves]
     arrays = [jnp.asarray(x).astype(dtype) for x in leaves]
     on_device = [int(d) for d in checkpoint._checksums_on_device(arrays)]
-    assert checkpoint.tree_checksums(arrays) == on_device  # numpy's path: one CPU device
-    assert all(checkpoint._readable_in_place(x) for x in arrays)
+    assert checkpoint.tree_checksums(arrays) == on_device  # numpy's path on one CPU device
+    if jax.default_backend() == "cpu":  # elsewhere the device's path serves both sides
+        assert all(checkpoint._readable_in_place(x) for x in arrays)
     flipped = np.asarray(arrays[2]).copy()
     flipped.reshape(-1).view(np.uint8)[1234] ^= 1  # one bit
     assert checkpoint.tree_checksums([jax.device_put(flipped)]) != [on_device[2]]
