@@ -15,14 +15,9 @@ import numpy as np
 import pytest
 
 from configs.schema import load_config, resolve_config_path
-from model.accelerators.lowering import (
-    inspect_text,
-    lower_all,
-    lower_program,
-    mixed_products,
-    training_programs,
-)
+from model.accelerators.lowering import lower_all, lower_program, training_programs
 from model.accelerators.plan import planned_config
+from model.accelerators.program_text import inspect_text, mixed_products
 
 ROOT = Path(__file__).resolve().parents[1]
 # The demo's shape, shrunk: two layers of 64 with head dim 32 (cuDNN's multiple of 8).

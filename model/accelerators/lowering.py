@@ -12,7 +12,8 @@ dtypes and shardings; nothing allocated, so GPT-2 small costs what a tiny model 
 
 Each is traced as a host of the platform would trace it (model/accelerators/gpu_host.py: on
 cuda in bf16 the model picks cuDNN flash attention) and lowered with
-`traced.lower(lowering_platforms=(platform,))`. The StableHLO text is then checked:
+`traced.lower(lowering_platforms=(platform,))`. The StableHLO text is then checked
+(model/accelerators/program_text.py):
   - no float64 (TPUs have none; GPUs run it at a fraction of the speed);
   - no host callbacks (a Python call from the device program), except the custom
     partitioning callback of sharded cuDNN attention, which XLA's partitioner calls at compile
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from model.accelerators.gpu_host import attention_on, traced_as
+from model.accelerators.program_text import custom_call_targets, inspect_text, mixed_products
 from model.decoding.programs import DEFAULT_CHUNK_SIZE
 from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import (
@@ -77,8 +78,6 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "moe": ({}, {"moe_experts": 8, "moe_top_k": 2}),
     "qat int4": ({"qat_bits": 4}, {}),
 }
-CUDNN_CALL = "__cudnn$fmha"
-CUSTOM_PARTITIONING = "CustomSPMDPartitioning"
 
 
 @dataclass(frozen=True)
@@ -341,87 +340,6 @@ def expected_attention(program: Program, platform: str, model_cfg: ModelConfig) 
     return attention_on(
         platform, model_cfg, cached=not program.full_attention, training=program.training
     )
-
-
-def inspect_text(text: str, cudnn_expected: bool, backward: bool = False) -> list[str]:
-    """What is wrong with a lowered program's StableHLO text (empty: nothing); with
-    `backward`, cuDNN's attention is expected in both directions (a train step)."""
-    problems = []
-    if re.search(r"[<x]f64>", text):
-        problems.append("float64 values in the program")
-    targets = custom_call_targets(text)
-    callbacks = sorted({t for t in targets if "callback" in t.lower()})
-    if callbacks:
-        problems.append(f"host callbacks: {', '.join(callbacks)}")
-    partitioned = custom_partitioning_rules(text)
-    foreign = sorted({rule for rule in partitioned if not _is_cudnn_rule(rule)})
-    if foreign:
-        problems.append(f"host callbacks of custom partitioning: {', '.join(foreign)}")
-    # cuDNN's attention: its custom calls on one device; on several, JAX's partitioning rules
-    # for them, which XLA's partitioner turns into the same calls on each device's shard.
-    cudnn = [t for t in targets if t.startswith(CUDNN_CALL)]
-    cudnn += [rule for rule in partitioned if _is_cudnn_rule(rule)]
-    has_backward = any("backward" in c.lower() or "_bwd_" in c for c in cudnn)
-    has_forward = any(not ("backward" in c.lower() or "_bwd_" in c) for c in cudnn)
-    if cudnn_expected and not (has_forward and (has_backward or not backward)):
-        direction = "forward and backward" if backward else "forward"
-        problems.append(
-            f"cuDNN attention ({direction}) expected on an H100 in bf16 but not in the program"
-        )
-    if cudnn and not cudnn_expected:
-        problems.append("cuDNN attention where the model should not pick it")
-    return problems
-
-
-def custom_call_targets(text: str) -> list[str]:
-    return re.findall(r"custom_call @([\w$.\-]+)", text)
-
-
-def custom_partitioning_rules(text: str) -> list[str]:
-    """The partition rule (module.function) behind each custom-partitioning call, as JAX
-    registered it while lowering ("unknown" when it cannot be found)."""
-    from jax._src import custom_partitioning
-
-    rules = []
-    pattern = CUSTOM_PARTITIONING + r"\(.*?backend_config = \"(\d+)\""
-    for key in re.findall(pattern, text):
-        info = custom_partitioning._sharding_callbacks.get(key.encode())
-        partition = getattr(info, "partition", None)
-        name = getattr(partition, "__qualname__", None) or "unknown"
-        rules.append(f"{getattr(partition, '__module__', '?')}.{name}")
-    return rules
-
-
-def _is_cudnn_rule(rule: str) -> bool:
-    return "cudnn" in rule and "attention" in rule
-
-
-def mixed_products(jaxpr) -> list[str]:
-    """Matrix products of the traced program (sub-programs included) that multiply a float32
-    operand by a bf16 one without the bf16 algorithm: XLA upcasts the bf16 side and runs them
-    in float32 (on GPU; TPUs may keep them mixed). Checked on the jaxpr, where they are still
-    mixed, rather than on the lowered text, where the upcast hides them."""
-    found = []
-    for eqn in _equations(jaxpr):
-        if eqn.primitive.name != "dot_general":
-            continue
-        left, right = (str(v.aval.dtype) for v in eqn.invars)
-        precision = eqn.params.get("precision")
-        if left != right and not isinstance(precision, jax.lax.DotAlgorithmPreset):
-            shapes = " x ".join(f"{v.aval.dtype}{list(v.aval.shape)}" for v in eqn.invars)
-            found.append(shapes)
-    return found
-
-
-def _equations(jaxpr):
-    """Every equation of a (closed) jaxpr and of the jaxprs in its equations' parameters."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
-                    yield from _equations(sub)
 
 
 def _describe(err: BaseException) -> str:
