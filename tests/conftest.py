@@ -55,4 +55,3 @@ def float32_products_on_accelerators():
     if jax.default_backend() != "cpu" and PRECISION_VARIABLE not in os.environ:
         os.environ[PRECISION_VARIABLE] = "highest"
         jax.config.update("jax_default_matmul_precision", "highest")
-    yield

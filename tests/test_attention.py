@@ -77,28 +77,30 @@ def test_config_checks_attention_values():
 # -- same values ---------------------------------------------------------------------------
 
 
-def _loss_and_grads(model: GPT, tokens):
+def _loss_logits_grads(model: GPT, tokens):
+    """(cross-entropy, logits, parameter gradients) of `model` predicting `tokens`' next
+    tokens, in one compiled call."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     @jax.jit
     def run(params, tokens):
         def loss(params):
             logits = nnx.merge(graphdef, params, rest)(tokens[:, :-1])
-            return jnp.mean(jax.nn.log_softmax(logits) * jax.nn.one_hot(tokens[:, 1:], 64)), logits
+            return cross_entropy(logits, tokens[:, 1:]), logits
 
         return jax.value_and_grad(loss, has_aux=True)(params)
 
-    (_, logits), grads = run(params, tokens)
-    return logits, grads
+    (loss, logits), grads = run(params, tokens)
+    return float(loss), logits, grads
 
 
 @pytest.mark.parametrize("position", ["learned", "rope"])
 def test_xla_equals_reference_in_values_and_gradients(position):
     tokens = random_tokens(3, 16)
     results = {
-        impl: _loss_and_grads(
+        impl: _loss_logits_grads(
             tiny_model(kernel_scale=1.0, position=position, attention=impl), tokens
-        )
+        )[1:]
         for impl in ("reference", "xla")
     }
     (ref_logits, ref_grads), (xla_logits, xla_grads) = results["reference"], results["xla"]
@@ -157,48 +159,34 @@ def test_attention_dropout_still_applies_with_xla_requested():
 GPU_SHAPE = dict(vocab_size=512, block_size=1024, n_layer=2, n_head=12, n_embd=768)
 
 
-def _errors_against_float32(attention: str, position: str, reference) -> tuple[float, ...]:
+def _errors_against_float32(attention: str, position: str, tokens, reference) -> tuple:
     """(loss, largest logit, largest gradient / its max) errors of a bf16 model with
-    `attention` against `reference`, the float32 reference run with the same weights."""
+    `attention` on `tokens` against `reference`, the float32 run with the same weights."""
     cfg = ModelConfig(**GPU_SHAPE, position=position, attention=attention, dtype="bfloat16")
-    loss, logits, grads = _float32_loss_logits_grads(GPT(cfg, rngs=nnx.Rngs(0)))
+    loss, logits, grads = _loss_logits_grads(GPT(cfg, rngs=nnx.Rngs(0)), tokens)
     ref_loss, ref_logits, ref_grads = reference
     grad_error = max(
         float(jnp.max(jnp.abs(g - r)) / (jnp.max(jnp.abs(r)) + 1e-12))
         for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True)
     )
-    return abs(loss - ref_loss), float(jnp.max(jnp.abs(logits - ref_logits))), grad_error
-
-
-def _float32_loss_logits_grads(model: GPT):
-    tokens = random_tokens(4, GPU_SHAPE["block_size"] + 1, vocab=GPU_SHAPE["vocab_size"])
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    @jax.jit
-    def run(params):
-        def loss(params):
-            logits = nnx.merge(graphdef, params, rest)(tokens[:, :-1]).astype(jnp.float32)
-            return cross_entropy(logits, tokens[:, 1:]), logits
-
-        return jax.value_and_grad(loss, has_aux=True)(params)
-
-    (loss, logits), grads = run(params)
-    return float(loss), logits, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    logit_error = jnp.max(jnp.abs(logits.astype(jnp.float32) - ref_logits))
+    return abs(loss - ref_loss), float(logit_error), grad_error
 
 
 @pytest.mark.parametrize("position", ["learned", "rope"])
-def test_cudnn_is_as_close_to_float32_as_xla_on_a_gpu(position, candidate="cudnn"):
+def test_cudnn_is_as_close_to_float32_as_xla_on_a_gpu(position):
     """On an NVIDIA GPU (skipped elsewhere): cuDNN's fused attention in bf16 against a float32
     run at the highest precision with the same weights, as close as XLA's attention (which
     the tests above pin to the reference). On an H100: loss 2.7e-5 off, logits 0.021-0.023,
     gradients 1.0-1.1% of their largest value, for XLA and cuDNN alike."""
     platform, capability = backend_facts()
-    if candidate == "cudnn" and (platform != "cuda" or capability < (8, 0)):
+    if platform != "cuda" or capability < (8, 0):
         pytest.skip("cuDNN flash attention needs an NVIDIA GPU of the Ampere generation or later")
+    tokens = random_tokens(4, GPU_SHAPE["block_size"] + 1, vocab=GPU_SHAPE["vocab_size"])
     with jax.default_matmul_precision("highest"):
         cfg = ModelConfig(**GPU_SHAPE, position=position, attention="reference")
-        reference = _float32_loss_logits_grads(GPT(cfg, rngs=nnx.Rngs(0)))
-    xla = _errors_against_float32("xla", position, reference)
-    fused = _errors_against_float32(candidate, position, reference)
+        reference = _loss_logits_grads(GPT(cfg, rngs=nnx.Rngs(0)), tokens)
+    xla = _errors_against_float32("xla", position, tokens, reference)
+    fused = _errors_against_float32("cudnn", position, tokens, reference)
     assert fused[0] < 1e-3  # the loss
     assert fused[1] < 1.5 * xla[1] and fused[2] < 1.5 * xla[2]  # logits and gradients

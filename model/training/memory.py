@@ -94,14 +94,15 @@ def _check_plan(model_cfg: ModelConfig, train_cfg, device, n: int, have: int) ->
     per_device = training_plan_bytes(model_cfg, train_cfg, n)
     on_cpu = device.platform == "cpu"
     # CPU devices are views of one host: all their shares come out of the same memory.
-    need = per_device["total"] * (n if on_cpu else 1)
+    shares = n if on_cpu else 1
+    need = per_device["total"] * shares
     if need <= have:
         return
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in per_device.items() if k != "total")
     where = "available memory" if on_cpu else f"free memory on {device}"
     each = f"{human_bytes(per_device['total'])} on each of {n} devices" if n > 1 else ""
     sized = f"{human_bytes(need)} to train ({each + '; ' if each else ''}{parts}"
-    floor = surely_needed(per_device, device.platform) * (n if on_cpu else 1)
+    floor = surely_needed(per_device, device.platform) * shares
     if floor <= have:  # under the plan's total (need > have): a GPU's share of activations
         if is_primary():
             print(
