@@ -6,6 +6,11 @@ counts see it. Training with them (MoE, QAT, resume, 1 device = 4, 1 process = 2
 in test_recipe.py, test_train.py and test_multihost.py through tests/tiny_runs.RECIPE."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +29,7 @@ from tests.tiny_models import TINY
 
 MUON = TrainConfig(optimizer="muon", grad_clip=0, warmup_steps=0, muon_learning_rate=1.0)
 ADAMW = {"optimizer": "adamw"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def one_update(train_cfg, grads, params=None):
@@ -205,3 +211,55 @@ def test_memory_counts_each_optimizer_s_state():
     assert 0 < counted["muon"] - (4 * matrices + 8 * rest) < small
     assert counted["normuon"] - counted["muon"] == 4 * neurons
     assert 0 < counted["adamw"] - 8 * (matrices + rest) < small
+
+
+_SHARED_MUON_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp, numpy as np, optax
+from model.processes.mesh import data_mesh
+from model.training.muon import ns_coefficients
+from model.training.muon_split import scale_by_muon
+from model.training.optim import muon_dimensions
+keys = iter(jax.random.split(jax.random.key(0), 64))
+# Wide, square and tall kernels, an expert stack, 5 of one shape (not a multiple of 3 devices),
+# and a vector and an embedding that Muon leaves to AdamW (None: masked out as in optax.partition).
+shapes = {"wide": (8, 24), "tall": (24, 8), "square": (8, 8), "expert_fc": (3, 8, 24)}
+params = {f"{k}{i}": {"kernel": jax.random.normal(next(keys), s)}
+          for k, s in shapes.items() for i in range(5 if k == "square" else 1)}
+mesh = data_mesh()
+out = {"devices": int(mesh.devices.size)}
+for name in ("newton_schulz", "polar_express"):
+    steps = 5 if name == "polar_express" else 3
+    ours = scale_by_muon(ns_coefficients(name, steps), steps, muon_dimensions, mesh)
+    theirs = optax.contrib.scale_by_muon(
+        ns_coeffs=ns_coefficients(name, steps), ns_steps=steps,
+        weight_dimension_numbers=muon_dimensions)
+    a, b = ours.init(params), theirs.init(params)
+    step = jax.jit(ours.update)
+    worst = 0.0
+    for _ in range(3):
+        grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+        (ua, a), (ub, b) = step(grads, a), theirs.update(grads, b)
+        diffs = jax.tree.map(lambda x, y: float(jnp.abs(x - y).max()), (ua, a), (ub, b))
+        worst = max(worst, *jax.tree.leaves(diffs))
+    out[name] = {"worst": worst, "same_state": jax.tree.structure(a) == jax.tree.structure(b),
+                 "update_norm": float(optax.tree.norm(ua))}
+print(json.dumps(out))
+"""
+
+
+def test_devices_sharing_muons_orthogonalisation_give_optax_values():
+    """Three CPU devices share out Newton-Schulz (and Polar Express) over stacks of wide,
+    tall, square and expert matrices, some shapes not a multiple of the device count: the
+    updates and the state are optax's scale_by_muon's."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARED_MUON_SCRIPT, str(ROOT)],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 3
+    for name in ("newton_schulz", "polar_express"):
+        assert out[name]["same_state"] and out[name]["update_norm"] > 1
+        assert out[name]["worst"] < 1e-5, out

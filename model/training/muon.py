@@ -20,6 +20,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from model.training.muon_coefficients import NEWTON_SCHULZ, POLAR_EXPRESS
+from model.training.muon_split import scale_by_muon
 
 # NorMuon's second-moment decay (Li et al. 2025, arXiv:2510.05491: beta2 = 0.95 in the
 # paper's code, github.com/zichongli5/NorMuon, and in nanochat's Muon groups).
@@ -125,18 +126,20 @@ def weight_decay(rate: float, cautious: bool, mask=None) -> optax.GradientTransf
     return tx if mask is None else optax.masked(tx, mask)
 
 
-def muon(train_cfg, matrices_lr, adam_lr, dimensions) -> optax.GradientTransformation:
+def muon(train_cfg, matrices_lr, adam_lr, dimensions, mesh=None) -> optax.GradientTransformation:
     """optax.contrib.muon's partition: the parameters `dimensions` (a callable, as optax's
     muon_weight_dimension_numbers) gives dimension numbers to get Muon at `matrices_lr` with
     train.weight_decay; the others (None) AdamW at `adam_lr` with Nesterov moments, no
     decay. train.muon_orthogonalizer, train.normuon and train.cautious_weight_decay choose
-    the options."""
+    the options. With `mesh` (replicated parameters on several devices) the devices share
+    the orthogonalisation out (model/training/muon_split.py)."""
     t = train_cfg
     matrices = [
-        optax.contrib.scale_by_muon(
-            ns_coeffs=ns_coefficients(t.muon_orthogonalizer, t.muon_ns_steps),
-            ns_steps=t.muon_ns_steps,
-            weight_dimension_numbers=dimensions,
+        scale_by_muon(
+            ns_coefficients(t.muon_orthogonalizer, t.muon_ns_steps),
+            t.muon_ns_steps,
+            dimensions,
+            mesh,
         ),
         *([normuon(dimensions)] if t.normuon else []),
         width_scaling(dimensions),

@@ -100,7 +100,7 @@ def muon_dimensions(params):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
+def make_optimizer(train_cfg, mesh=None) -> optax.GradientTransformation:
     """AdamW or Muon from a TrainConfig; gradient clipping first (as torch's
     clip_grad_norm_ + step).
 
@@ -110,13 +110,15 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     rest (embeddings, output layer, router, norms) is AdamW as optax's muon has it:
     train.learning_rate, beta1, beta2, Nesterov moments and no weight decay (optax's muon has
     no decay mask for that part). train.cautious_weight_decay makes the decay of Muon's
-    matrices, or of AdamW's matrices, cautious (model/training/muon.py weight_decay).
+    matrices, or of AdamW's matrices, cautious (model/training/muon.py weight_decay). With
+    `mesh` (parameters replicated over its devices) the devices share Muon's
+    orthogonalisation out; the values are the same.
     """
     t = train_cfg
     schedule = learning_rate_schedule(t, t.learning_rate)
     if t.optimizer == "muon":
         matrices_lr = learning_rate_schedule(t, t.muon_learning_rate)
-        tx = muon(t, matrices_lr, schedule, muon_dimensions)
+        tx = muon(t, matrices_lr, schedule, muon_dimensions, mesh)
     else:  # optax.adamw's own chain, with the decay step chosen
         tx = optax.chain(
             optax.scale_by_adam(b1=t.beta1, b2=t.beta2, eps=1e-8),

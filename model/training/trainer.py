@@ -168,7 +168,8 @@ class Trainer:
         check_batch_divisible(t.eval_rows, self.mesh, "the validation batch (train.eval_batch_size")
         self.graphdef, shapes, self.rest = abstract_model(model_cfg, programs)
         self.n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
-        self.tx = make_optimizer(t)
+        # Replicated parameters: the devices share Muon's orthogonalisation out.
+        self.tx = make_optimizer(t, None if t.fsdp else self.mesh)
         # Parameters, gradients and optimizer moments are laid out alike (FSDP: all sharded),
         # the state born that way and kept that way by the step's out_shardings: the step's
         # outputs match its first inputs, so it compiles once.
