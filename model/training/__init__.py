@@ -8,6 +8,7 @@ loop.py      the loop: logging, evaluation, checkpoints, stopping on a signal
 optim.py     AdamW or Muon (which parameters get which), warmup then cosine or warmup-stable-decay
 muon.py      Muon's transforms: Newton-Schulz or Polar Express, NorMuon, cautious weight decay
 muon_coefficients.py  their polynomials (JAX-free, for the config's check)
+muon_split.py  Muon's orthogonalisation shared out over data-parallel devices
 metrics.py   metrics.jsonl, bits per byte, MFU, the loss curve
 tracking.py  train.tracker: the same metrics to TensorBoard or Weights & Biases
 memory.py    will a run fit? a lower bound, then the plan, before anything is allocated
