@@ -20,7 +20,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from model.training.muon_coefficients import NEWTON_SCHULZ, POLAR_EXPRESS
-from model.training.muon_split import scale_by_muon
+from model.training.muon_split import axes_of, scale_by_muon
 
 # NorMuon's second-moment decay (Li et al. 2025, arXiv:2510.05491: beta2 = 0.95 in the
 # paper's code, github.com/zichongli5/NorMuon, and in nanochat's Muon groups).
@@ -35,10 +35,6 @@ def ns_coefficients(orthogonalizer: str, steps: int):
     return NEWTON_SCHULZ
 
 
-def _axes(axis, ndim: int) -> tuple[int, ...]:
-    return tuple(a % ndim for a in ((axis,) if isinstance(axis, int) else axis))
-
-
 def _per_leaf(dimensions, updates, fn, *trees):
     """fn(update, *leaves, dims) over the leaves of `updates` (masked-out nodes skipped)."""
     dims = dimensions(updates)
@@ -51,10 +47,10 @@ def width_scaling(dimensions) -> optax.GradientTransformation:
 
     def scale(u, dims):
         fan_in = 1
-        for a in _axes(dims.reduction_axis, u.ndim):
+        for a in axes_of(dims.reduction_axis, u.ndim):
             fan_in *= u.shape[a]
         fan_out = 1
-        for a in _axes(dims.output_axis, u.ndim):
+        for a in axes_of(dims.output_axis, u.ndim):
             fan_out *= u.shape[a]
         return u * jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
 
@@ -77,7 +73,7 @@ def normuon(dimensions, beta2: float = NORMUON_BETA2) -> optax.GradientTransform
     """
 
     def neuron_shape(p, dims):
-        red = _axes(dims.reduction_axis, p.ndim)
+        red = axes_of(dims.reduction_axis, p.ndim)
         return tuple(1 if i in red else n for i, n in enumerate(p.shape))
 
     def init(params):
@@ -88,11 +84,11 @@ def normuon(dimensions, beta2: float = NORMUON_BETA2) -> optax.GradientTransform
         )
 
     def moment(u, nu, dims):
-        mean_square = jnp.mean(u * u, axis=_axes(dims.reduction_axis, u.ndim), keepdims=True)
+        mean_square = jnp.mean(u * u, axis=axes_of(dims.reduction_axis, u.ndim), keepdims=True)
         return nu + (1 - beta2) * (mean_square - nu)
 
     def normalize(u, nu, dims):
-        matrix = _axes(dims.reduction_axis, u.ndim) + _axes(dims.output_axis, u.ndim)
+        matrix = axes_of(dims.reduction_axis, u.ndim) + axes_of(dims.output_axis, u.ndim)
         scaled = u * jax.lax.rsqrt(jnp.maximum(nu, 1e-10))
         norm = jnp.sqrt(jnp.sum(u * u, axis=matrix, keepdims=True))  # per matrix, not per
         new_norm = jnp.sqrt(jnp.sum(scaled * scaled, axis=matrix, keepdims=True))  # stack

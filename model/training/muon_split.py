@@ -66,8 +66,8 @@ def newton_schulz(x_NxRxC, coeffs, ns_steps: int):
 def _as_matrices(x, spec):
     """x as a stack [N, R, C] with R <= C (optax's reshape, then its transpose of tall
     matrices), and the function that puts such a stack back into x's shape."""
-    red = _axes(spec.reduction_axis, x.ndim)
-    out = _axes(spec.output_axis, x.ndim)
+    red = axes_of(spec.reduction_axis, x.ndim)
+    out = axes_of(spec.output_axis, x.ndim)
     batch = tuple(a for a in range(x.ndim) if a not in red + out)
     order = batch + red + out
     r = math.prod(x.shape[a] for a in red)
@@ -84,7 +84,9 @@ def _as_matrices(x, spec):
     return (jnp.swapaxes(stack, 1, 2) if tall else stack), back
 
 
-def _axes(axis, ndim: int) -> tuple[int, ...]:
+def axes_of(axis, ndim: int) -> tuple[int, ...]:
+    """A dimension number's axis or axes (an int or a tuple, negative ones counted from the
+    end) as a tuple of non-negative axes of an ndim-dimensional array."""
     return tuple(a % ndim for a in ((axis,) if isinstance(axis, int) else axis))
 
 
