@@ -2,7 +2,8 @@
 
 config.py    TrainConfig: the [train] section
 data.py      the token cache and the batches drawn from it
-trainer.py   TrainState and the compiled step that advances it, evaluation
+trainer.py   the compiled step that advances the state, evaluation
+state.py     TrainState: params, optimizer state, step and key, held flat
 kept_programs.py  the step, evaluation and initialisation kept compiled for the next run
 loop.py      the loop: logging, evaluation, checkpoints, stopping on a signal
 optim.py     AdamW or Muon (which parameters get which), warmup then cosine or warmup-stable-decay

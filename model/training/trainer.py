@@ -1,6 +1,6 @@
 """The training state, the compiled step that advances it, evaluation.
 
-A `TrainState` (params, optimizer state, step, the run's key) is immutable, as Levanter's
+A `TrainState` (params, optimizer state, step, the run's key; state.py) is immutable, as Levanter's
 TrainerState: the trainer makes the first one (`initial_state`: fresh, or from given weights
 for --init-from; `restored`: a checkpoint's, for --resume) and the compiled step
 `train_step(state, x, y) -> (next state, metrics)` makes every other, donating the one it
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,7 @@ from model.training.config import TrainConfig
 from model.training.data import TokenSplits, check_window, sample_batch
 from model.training.kept_programs import KeptProgram, kept
 from model.training.optim import make_optimizer
+from model.training.state import TrainState
 
 if TYPE_CHECKING:
     from model.decoding.program_cache import ProgramCache
@@ -86,31 +87,6 @@ def init_params(model_cfg: ModelConfig, seed: int):
     random draws are the eager ones (jax.random is the same under jit), equal to float
     rounding."""
     return nnx.split(GPT(model_cfg, rngs=nnx.Rngs(params=seed)), nnx.Param, ...)[1]
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["params", "opt_state", "step", "key"],
-    meta_fields=[],
-)
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-    """What training carries from one step to the next, as one immutable pytree.
-
-    Only `Trainer` makes one; the compiled step returns the next. `key` is the run's base key,
-    key(train.seed): step s draws its randomness (dropout) from fold_in(key, s), so the key is
-    never saved and a resumed run replays the uninterrupted one exactly.
-    """
-
-    params: Any  # nnx.State of the model's Params
-    opt_state: Any  # optax state; moments laid out as their params (FSDP: sharded alike)
-    step: jax.Array  # int32 scalar, replicated: optimizer steps taken
-    key: jax.Array  # typed PRNG key, replicated
-
-    def steps_taken(self) -> int:
-        """`step` read back to the host (waits for the device: for setting up, not in the
-        loop, which counts steps itself)."""
-        return int(np.asarray(self.step.addressable_data(0)))
 
 
 def forward_weights(params, train_cfg: TrainConfig):
@@ -299,10 +275,7 @@ class Trainer:
             params = optax.apply_updates(params, updates)
             metrics = {"loss": ce.mean(), "grad_norm": optax.tree.norm(grads)}
             metrics.update({k: v.mean() for k, v in aux.items()})
-            new = dataclasses.replace(
-                state, params=params, opt_state=opt_state, step=state.step + 1
-            )
-            return new, metrics
+            return state.advanced(params, opt_state), metrics
 
         # Donation lets XLA update params and Adam moments in place.
         replicated = NamedSharding(self.mesh, P())
