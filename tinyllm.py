@@ -24,6 +24,11 @@ import time
 # ruff: noqa: E402
 STARTED = time.perf_counter()
 
+from plumbing.quick_exit import exiting_with, skip_teardown
+
+if __name__ == "__main__":
+    skip_teardown()  # before any library registers an exit handler: this one must run last
+
 import argparse
 import contextlib
 import os
@@ -368,4 +373,5 @@ if __name__ == "__main__":
         from model.processes.distributed import exit_if_distributed
 
         exit_if_distributed(code)  # several processes: do not wait for peers at shutdown
+    exiting_with(code)
     sys.exit(code)

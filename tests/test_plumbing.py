@@ -1,9 +1,11 @@
 """Project-wide plumbing: the memory probe (cgroup v1 and v2, on made-up machines), the one
-progress policy (no redraws off a terminal), one-line argument errors, typed settings."""
+progress policy (no redraws off a terminal), one-line argument errors, typed settings, the
+exit without teardown."""
 
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,3 +218,41 @@ def test_plain_data_fills_nested_dataclasses_and_names_bad_keys():
         from_plain(Outer, {"inner": {"stepz": 1}})
     with pytest.raises(UsageError, match=r"config key 'inner\.steps' must be int, got 1\.5"):
         from_plain(Outer, {"inner": {"steps": 1.5}})
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ended(tmp_path: Path, record_code: bool) -> subprocess.CompletedProcess:
+    """A process that registers skip_teardown first, then an exit handler and an object freed
+    only by the interpreter's teardown (each writes a file when it runs), prints without a
+    newline and exits 3."""
+    script = f"""
+import atexit, sys
+sys.path.insert(0, {str(ROOT)!r})
+from plumbing.quick_exit import exiting_with, skip_teardown
+skip_teardown()
+atexit.register(lambda: open({str(tmp_path / "handler")!r}, "w").write("ran"))
+class FreedAtTeardown:
+    def __del__(self, open=open):  # bound now: the teardown clears the module's names
+        open({str(tmp_path / "teardown")!r}, "w").write("ran")
+kept = FreedAtTeardown()
+print("buffered", end="")
+if {record_code}:
+    exiting_with(3)
+sys.exit(3)
+"""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+
+
+def test_a_finished_process_ends_after_its_exit_handlers_without_teardown(tmp_path):
+    proc = ended(tmp_path, record_code=True)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "buffered", "")
+    assert (tmp_path / "handler").exists()  # the other exit handlers ran first
+    assert not (tmp_path / "teardown").exists()  # the interpreter's teardown did not
+
+
+def test_a_process_that_did_not_record_its_code_tears_down_as_usual(tmp_path):
+    proc = ended(tmp_path, record_code=False)
+    assert (proc.returncode, proc.stdout) == (3, "buffered")
+    assert (tmp_path / "handler").exists() and (tmp_path / "teardown").exists()
