@@ -1,5 +1,6 @@
 """Project-wide plumbing: user errors, atomic writes, progress lines, hashing, memory probes,
-signals, one-line command-line errors and typed settings from plain data.
+signals, one-line command-line errors, typed settings from plain data, and the exit without
+the interpreter's teardown.
 
 Every other package may import from here; nothing here imports anything else of the project
 (tests/test_layout.py checks it), nor JAX.

@@ -95,6 +95,32 @@ def test_train_step_compiles_once(tmp_path, corpus_file):
     assert trainer.train_step._cache_size() == 1
 
 
+def test_the_state_reaches_jax_flat_and_reads_back_as_nested_trees():
+    """Each call of the step flattens the state: one node over its arrays, not a Flax
+    Variable each (their flattening in Python was most of the step's dispatch); the params
+    and the optimizer state still read back as the trees they were, with their paths."""
+    import jax
+    from flax import nnx
+
+    from model.network.config import ModelConfig
+    from model.training.config import TrainConfig
+
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    trainer = Trainer(TrainConfig(batch_size=4, optimizer="muon"), cfg)
+    state = trainer.initial_state()
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    assert treedef.num_nodes == len(leaves) + 1  # the state, then its arrays
+    assert not any(isinstance(x, nnx.Variable) for x in leaves)
+    params_tree = jax.tree_util.tree_structure(trainer.param_shapes())
+    x, y = trainer.batch(np.arange(200, dtype=np.uint16) % 64, step=0)
+    state, _ = trainer.train_step(state, x, y)
+    assert jax.tree_util.tree_structure(state.params) == params_tree
+    assert isinstance(state.params, nnx.State) and state.steps_taken() == 1
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+    assert paths[0].startswith(".params['") and paths[-2:] == [".step", ".key"]
+    assert any(p.startswith(".opt_state[") for p in paths)
+
+
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, corpus_file):
     cfg, run_dir = tokenized_run(tmp_path, corpus_file, "train.max_steps=4")
     run_train(cfg, run_dir)
