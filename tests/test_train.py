@@ -95,6 +95,19 @@ def test_train_step_compiles_once(tmp_path, corpus_file):
     assert trainer.train_step._cache_size() == 1
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is Linux's")
+def test_matplotlib_is_imported_on_a_thread_of_the_lowest_priority(monkeypatch):
+    """The import runs while the devices use every core: at nice 19 it takes only their idle
+    moments."""
+    from model.training import metrics
+
+    calls = []
+    monkeypatch.setattr(metrics.os, "setpriority", lambda *args: calls.append(args))
+    thread = metrics.import_plotting_soon()
+    thread.join()
+    assert calls == [(os.PRIO_PROCESS, thread.native_id, 19)]
+
+
 def test_the_state_reaches_jax_flat_and_reads_back_as_nested_trees():
     """Each call of the step flattens the state: one node over its arrays, not a Flax
     Variable each (their flattening in Python was most of the step's dispatch); the params

