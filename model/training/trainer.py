@@ -1,8 +1,8 @@
 """The training state, the compiled step that advances it, evaluation.
 
-A `TrainState` (params, optimizer state, step, the run's key; state.py) is immutable, as Levanter's
-TrainerState: the trainer makes the first one (`initial_state`: fresh, or from given weights
-for --init-from; `restored`: a checkpoint's, for --resume) and the compiled step
+A `TrainState` (params, optimizer state, step, the run's key; state.py) is immutable, as
+Levanter's TrainerState: the trainer makes the first one (`initial_state`: fresh, or from
+given weights for --init-from; `restored`: a checkpoint's, for --resume) and the compiled step
 `train_step(state, x, y) -> (next state, metrics)` makes every other, donating the one it
 takes (its arrays are deleted: hold on to the returned state only). Nothing else builds or
 writes one. The step (gradient accumulation as a scan over micro-batches) runs on a 1-D `data`
