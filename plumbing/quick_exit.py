@@ -13,8 +13,8 @@ written and closed. When `main` returned normally and its code was handed to
 code at once (os._exit). Any other ending (an uncaught exception, an interpreter without
 `exiting_with`) tears down as usual.
 
-    >>> skip_teardown()                  # doctest: +SKIP
-    >>> exiting_with(main()); sys.exit(code)  # doctest: +SKIP
+    >>> skip_teardown()  # first thing, when run as a script            # doctest: +SKIP
+    >>> code = main(); exiting_with(code); sys.exit(code)  # at the end    # doctest: +SKIP
 """
 
 from __future__ import annotations
