@@ -93,6 +93,6 @@ class TrainState:
 jax.tree_util.register_pytree_with_keys(
     TrainState,
     TrainState._with_keys,
-    lambda layout, leaves: TrainState._of(layout, leaves),
+    TrainState._of,
     lambda s: (s._leaves, s._layout),
 )
