@@ -102,10 +102,41 @@ def test_matplotlib_is_imported_on_a_thread_of_the_lowest_priority(monkeypatch):
     from model.training import metrics
 
     calls = []
-    monkeypatch.setattr(metrics.os, "setpriority", lambda *args: calls.append(args))
+    monkeypatch.setattr(os, "setpriority", lambda *args: calls.append(args))
     thread = metrics.import_plotting_soon()
     thread.join()
     assert calls == [(os.PRIO_PROCESS, thread.native_id, 19)]
+    assert "matplotlib.pyplot" in sys.modules
+
+
+def test_orbax_is_imported_at_the_first_save_or_on_the_training_loops_thread(tmp_path):
+    """A run's start-up does not wait for orbax: making, waiting on and closing Checkpoints
+    import nothing; the first save does (and a loop imports it aside before then)."""
+    script = f"""
+import sys
+from pathlib import Path
+import numpy as np
+from model.rundir.checkpoints import Checkpoints, import_soon
+run = Path({str(tmp_path)!r})
+ckpt = Checkpoints(run)
+ckpt.remove_leftovers(); ckpt.wait(); ckpt.close()
+print("orbax.checkpoint" in sys.modules, ckpt.steps())
+ckpt = Checkpoints(run)
+ckpt.save(3, {{"w": np.ones(4, np.float32)}}, None, {{"config": {{}}}})
+ckpt.close()
+print("orbax.checkpoint" in sys.modules, Checkpoints(run, read_only=True).steps())
+import_soon().join()
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    assert out[:2] == ["False []", "True [3]"]
+    script = "import sys\nfrom model.rundir.checkpoints import import_soon\n"
+    script += "import_soon().join()\nprint('orbax.checkpoint' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "True"
 
 
 def test_the_state_reaches_jax_flat_and_reads_back_as_nested_trees():

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,11 +41,11 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 from model.processes.distributed import is_primary
 from model.rundir.layout import CHECKPOINT_DIR, DAMAGED_DIR, checkpoint_steps
 from plumbing.errors import UsageError
+from plumbing.lazy import import_in_background
 
 _DISK_ERRORS = {
     "No space left on device": errno.ENOSPC,
@@ -56,6 +58,20 @@ T = TypeVar("T")
 _LOG = logging.getLogger("tinyllm")
 # What each item of a step is, in the sentences users read.
 _ITEM_NAMES = {"params": "parameters", "opt_state": "optimizer state"}
+
+
+def _orbax():
+    """orbax.checkpoint, imported at its first use (see `Checkpoints._manager`)."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
+
+
+def import_soon() -> threading.Thread:
+    """Import orbax on a background thread at the lowest priority (plumbing.lazy), so
+    that a training run's first save finds it loaded: its import then fills the devices' idle
+    moments instead of adding to the run's start-up."""
+    return import_in_background("orbax.checkpoint")
 
 
 class CheckpointDamaged(Exception):
@@ -71,23 +87,35 @@ class CheckpointDamaged(Exception):
 
 
 class Checkpoints:
-    """A thin wrapper over `ocp.CheckpointManager` for one run directory."""
+    """A thin wrapper over orbax's `CheckpointManager` for one run directory."""
 
     def __init__(self, run_dir: Path, max_to_keep: int = 2, read_only: bool = False):
         self.run_dir = Path(run_dir)
         self.directory = (self.run_dir / CHECKPOINT_DIR).absolute()
         self.read_only = read_only
+        self.max_to_keep = max_to_keep
+
+    @functools.cached_property
+    def _manager(self):
+        """orbax's manager, made at its first use: a run imports orbax (a third of a second)
+        only when it saves or restores, by then on a background thread (`import_soon`). Its
+        first use is collective (a save, a restore), as orbax's barrier at making it needs."""
+        ocp = _orbax()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            create=not read_only,  # orbax's own read_only mode logs warnings on every open
+            max_to_keep=self.max_to_keep,
+            create=not self.read_only,  # orbax's own read_only mode logs warnings on every open
             enable_async_checkpointing=True,
             # Rename old steps aside before deleting them: a kill during the deletion then
             # leaves no half-deleted step behind (`remove_deleted` clears the rest).
-            todelete_subdir=None if read_only else DELETING_SUBDIR,
+            todelete_subdir=None if self.read_only else DELETING_SUBDIR,
         )
-        self._manager = ocp.CheckpointManager(
+        return ocp.CheckpointManager(
             self.directory, options=options, item_names=("params", "opt_state", "meta")
         )
+
+    def _made(self) -> bool:
+        """Whether the orbax manager exists yet (waiting on or closing none is a no-op)."""
+        return "_manager" in self.__dict__
 
     def steps(self) -> list[int]:
         """Committed steps on disk, newest first (digit-named directories only)."""
@@ -107,6 +135,7 @@ class Checkpoints:
         if _all_addressable((params, opt_state)):
             params, opt_state = jax.device_get((params, opt_state))
         checksums = {"params": tree_checksums(params)}
+        ocp = _orbax()
         args = {"params": ocp.args.StandardSave(params)}
         if opt_state is not None:
             checksums["opt_state"] = tree_checksums(opt_state)
@@ -130,6 +159,7 @@ class Checkpoints:
 
     def _restore_meta_with_orbax(self, step: int) -> Any:
         try:
+            ocp = _orbax()
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
             )
@@ -155,6 +185,7 @@ class Checkpoints:
         """One item of `step`, restored alone so that damage is pinned on the item it hit,
         then checked against its checksums (checkpoints from before checksums have none)."""
         what = _ITEM_NAMES[item]
+        ocp = _orbax()
         args = ocp.args.Composite(**{item: ocp.args.StandardRestore(_abstract(like))})
         try:
             tree = self._manager.restore(step, args=args)[item]
@@ -214,7 +245,8 @@ class Checkpoints:
             source.rename(target)
         except OSError:
             return None
-        self._manager.reload()  # forget the step orbax may have listed
+        if self._made():
+            self._manager.reload()  # forget the step orbax may have listed
         return target
 
     @contextlib.contextmanager
@@ -245,16 +277,19 @@ class Checkpoints:
                 shutil.rmtree(path, ignore_errors=True)
 
     def wait(self) -> None:
+        if not self._made():
+            return
         with self._disk_errors():
             self._manager.wait_until_finished()
 
     def close(self) -> None:
-        try:
-            with self._disk_errors():
-                self._manager.wait_until_finished()
-        finally:  # stop orbax's threads even when the last write failed
-            with contextlib.suppress(Exception):
-                self._manager.close()
+        if self._made():
+            try:
+                with self._disk_errors():
+                    self._manager.wait_until_finished()
+            finally:  # stop orbax's threads even when the last write failed
+                with contextlib.suppress(Exception):
+                    self._manager.close()
         if not self.read_only and is_primary():
             shutil.rmtree(self.directory / DELETING_SUBDIR, ignore_errors=True)
 

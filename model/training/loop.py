@@ -31,6 +31,7 @@ from model.accelerators.devices import peak_flops
 from model.network.gpt import flops_per_token
 from model.processes.distributed import is_primary, stop_agreed
 from model.rundir.checkpoints import Checkpoints
+from model.rundir.checkpoints import import_soon as checkpoints_import_soon
 from model.training.data import TokenSplits
 from model.training.errors import TrainingDiverged
 from model.training.metrics import (
@@ -96,6 +97,7 @@ class TrainingLoop:
         # knows when the process started (time.perf_counter() then).
         self.startup = None if started is None else self.t0 - started
         self.state = LoopState(start_step, start_step or None, (self.t0, start_step))
+        checkpoints_import_soon()  # for the first save: every process saves
         if is_primary():  # the process that plots
             import_plotting_soon()
 

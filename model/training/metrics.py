@@ -6,7 +6,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from model.processes.distributed import is_primary
 from model.rundir.layout import METRICS_FILE, PLOT_FILE
 from model.training.tracking import NoTracker, Tracker
 from plumbing.atomic import write_atomic
+from plumbing.lazy import in_background
 
 
 def bits_per_byte(loss_nats: float, bytes_per_token: float) -> float:
@@ -101,28 +101,19 @@ def _is_number(value) -> bool:
 
 
 def import_plotting_soon() -> threading.Thread:
-    """Import matplotlib on a thread of its own, now: its half-second import then overlaps
-    the first steps (or their compilation) instead of adding to the end of training.
-    plot_losses's own import waits for it, under Python's import lock.
-
-    On Linux the thread runs at the lowest priority (nice 19, a thread's own): on a machine
-    whose every core runs a device, the import's 0.55 s of CPU then fills the devices' idle
-    moments instead of taking their time (measured on 2 cores: the 60 steps it overlaps took
-    73.5 ms a step at normal priority, 59.6 ms at nice 19, 63.6 ms with no import)."""
+    """Import matplotlib on a background thread at the lowest priority (plumbing.lazy
+    `in_background`), now: its half-second import then overlaps the first steps (or their
+    compilation) instead of adding to the end of training. plot_losses's own import waits
+    for it, under Python's import lock."""
 
     def load():
-        if sys.platform == "linux":  # elsewhere a thread id is no process id
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         with contextlib.suppress(ImportError):
             import matplotlib
 
             matplotlib.use("Agg")
             import matplotlib.pyplot
 
-    thread = threading.Thread(target=load, name="import-matplotlib", daemon=True)
-    thread.start()
-    return thread
+    return in_background("import-matplotlib", load)
 
 
 def plot_losses(run_dir: Path) -> Path | None:
