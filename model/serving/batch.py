@@ -67,6 +67,15 @@ def batch_settings(rows: int) -> dict[str, np.ndarray]:
     }
 
 
+def set_row_settings(settings: dict, slot: int, sampling, stop_token: int | None) -> None:
+    """Write a request's sampling settings (a SamplingParams) and stop token into its row."""
+    settings["seed"][slot] = sampling.seed
+    settings["temperature"][slot] = sampling.temperature
+    settings["top_k"][slot] = sampling.top_k
+    settings["top_p"][slot] = sampling.top_p
+    settings["stop"][slot] = -1 if stop_token is None else stop_token
+
+
 def attention_lengths(size: int, fine: bool) -> list[int]:
     """The cache lengths `batch_chunk` may attend over, for a context of `size` slots: each is
     a program compiled at start-up, so there are few. With `fine` (the full batch), every

@@ -48,7 +48,8 @@ from model.decoding.prompts import stop_token_of
 from model.decoding.steps import PAD_ID, start_carry, window_size
 from model.network.gpt import GPT
 from model.network.params import sampling_device
-from model.serving.batch import batch_settings, empty_batch, put_row, take_row
+from model.serving.batch import batch_settings, empty_batch, put_row, set_row_settings, take_row
+from model.serving.prefix import KeptPrefix, reuse_source
 from model.serving.programs import EnginePrograms
 from model.serving.requests import EngineStopping, QueueFull, Request
 from model.serving.text import StopText
@@ -66,15 +67,6 @@ class Launched:
     out: dict
     steps: int
     requests: dict[int, Request]
-
-
-@dataclass
-class KeptPrefix:
-    """A row's cache holds these context tokens at positions 0.. (and, when computed, the
-    prompt's scores at those positions)."""
-
-    tokens: np.ndarray
-    scores: dict | None
 
 
 class Engine:
@@ -260,28 +252,16 @@ class Engine:
                 with contextlib.suppress(Exception):
                     request.on_event("error", f"the request failed ({type(err).__name__})")
 
-    def _shared(self, slot: int, request: Request) -> tuple[int, KeptPrefix | None]:
-        """(tokens of the row's kept prefix that the request's context starts with, the kept
-        prefix); 0 when its scores are needed but were not kept."""
-        kept = self.kept[slot]
-        if kept is None or (request.scores_prompt and kept.scores is None):
-            return 0, None
-        ctx = np.asarray(request.prompt_ids[:-1], np.int32)
-        n = min(len(ctx), len(kept.tokens))
-        differ = np.flatnonzero(ctx[:n] != kept.tokens[:n])
-        return (int(differ[0]) if differ.size else n), kept
-
     def _admit(self, slot: int, request: Request) -> None:
         prompt = np.asarray(request.prompt_ids, np.int32)
         keep = len(prompt) - 1
-        # The row whose kept prompt shares the longest start (this one on a tie); a cold start
-        # takes this row's cache too: slots past pos are masked, whatever they hold.
-        source = max(range(self.rows), key=lambda s: (self._shared(s, request)[0], s == slot))
-        shared, kept = self._shared(source, request)
+        # A cold start takes this row's cache too: slots past pos are masked, whatever they hold.
+        scored = request.scores_prompt
+        source, shared = reuse_source(self.kept, request.prompt_ids, scored, slot)
+        kept = self.kept[source]
         start = max(shared - 1, 0)  # run the last shared token again: its logits are needed
         row = start_carry(self.model, prompt, 1, use_cache=False)
         row["cache"] = take_row(self.batch, np.int32(source if start else slot))["cache"]
-        scored = request.scores_prompt
 
         def run(carry, shift, at, keep, width):
             out = self.programs.refills[width, scored](self.state, carry, shift, at, keep)
@@ -296,12 +276,7 @@ class Engine:
         self.batch = put_row(self.batch, row, np.int32(slot))
         self.pos[slot] = keep
         self.kept[slot] = KeptPrefix(prompt[:keep], scores)
-        s = self.settings
-        s["seed"][slot] = request.sampling.seed
-        s["temperature"][slot] = request.sampling.temperature
-        s["top_k"][slot] = request.sampling.top_k
-        s["top_p"][slot] = request.sampling.top_p
-        s["stop"][slot] = -1 if self.stop_token is None else self.stop_token
+        set_row_settings(self.settings, slot, request.sampling, self.stop_token)
         self.slots[slot] = request
         self.texts[slot] = StopText(request.stop)
         with self._lock:
