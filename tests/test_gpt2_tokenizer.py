@@ -16,7 +16,8 @@ from tests.tokenizer_helpers import (  # noqa: F401 (each_path: fixture)
     tiktoken_gpt2,
 )
 from tokenizer import BPETokenizer
-from tokenizer.gpt2_files import read_gpt2_files, write_tiktoken_file
+from tokenizer.gpt2_files import read_gpt2_files
+from tokenizer.tiktoken_files import write_tiktoken_file
 
 
 def test_hello_world_and_endoftext():

@@ -9,7 +9,6 @@ True
 
 from __future__ import annotations
 
-import heapq
 import os
 import threading
 import unicodedata
@@ -22,14 +21,11 @@ from typing import Any, Self
 from plumbing.errors import UsageError
 from tokenizer import c_core
 from tokenizer.base import Tokenizer, normalize_specials
+from tokenizer.bpe_merge import merge_heap
 from tokenizer.bpe_train import train_merges
-from tokenizer.gpt2_files import (
-    read_gpt2_files,
-    read_tiktoken_file,
-    read_tokenizer_json,
-    write_gpt2_files,
-)
+from tokenizer.gpt2_files import read_gpt2_files, read_tokenizer_json, write_gpt2_files
 from tokenizer.pretokenize import compile_pattern, count_chunks
+from tokenizer.tiktoken_files import read_tiktoken_file
 
 _SINGLE_BYTES = [bytes([b]) for b in range(256)]
 _NO_RANK = 1 << 62  # above every merge rank; an int compares faster than inf
@@ -277,14 +273,14 @@ class BPETokenizer(Tokenizer):
         to right: a pair made by a merge always ranks after the merge that made it. Short
         chunks (almost all) keep the ranks of adjacent pairs in a list, so min() and index()
         run in C and a merge only refreshes its two neighbours; that is O(n^2) in the chunk's
-        length, so long chunks (a megabyte "word") take the O(n log n) heap of `_merge_heap`.
+        length, so long chunks (a megabyte "word") take the O(n log n) heap of `merge_heap`.
         """
         parts = [_SINGLE_BYTES[b] for b in chunk.encode("utf-8")]
         id_of = self._id_of
         if len(parts) <= 1:  # an empty match of a user's pattern has no tokens
             return (id_of[parts[0]],) if parts else ()
         if len(parts) > HEAP_MIN_BYTES:
-            return tuple(_merge_heap([id_of[p] for p in parts], self._merge_table()))
+            return tuple(merge_heap([id_of[p] for p in parts], self._merge_table()))
         get = self._ranks.get
         ranks = [get(pair, _NO_RANK) for pair in pairwise(parts)]
         while (best := min(ranks)) != _NO_RANK:
@@ -330,40 +326,6 @@ class BPETokenizer(Tokenizer):
             params["pattern"],
             params.get("normalizer"),
         )
-
-
-def _merge_heap(ids: list[int], merge_of: Mapping[int, tuple[int, int]]) -> list[int]:
-    """The merges of `_encode_chunk` in O(n log n), in the same order (lowest rank, then
-    leftmost), on token ids: `merge_of[a << 32 | b]` is (rank, merged id) of the pair (a, b).
-
-    Symbols form a linked list over their start positions; the heap holds (rank, position) of
-    every adjacent pair ever formed. An entry is stale (lazy deletion) when the symbol at that
-    position died or its pair changed since; a rank names one pair, so an entry is current
-    exactly when the pair now at its position still has that rank.
-    """
-    n = len(ids)
-    nxt = [*range(1, n), -1]
-    prv = list(range(-1, n - 1))
-    get = merge_of.get
-    heap = [(m[0], i) for i in range(n - 1) if (m := get(ids[i] << 32 | ids[i + 1]))]
-    heapq.heapify(heap)
-    pop, push = heapq.heappop, heapq.heappush
-    while heap:
-        rank, i = pop(heap)
-        j = nxt[i]
-        if j < 0 or ids[i] < 0 or (m := get(ids[i] << 32 | ids[j])) is None or m[0] != rank:
-            continue
-        new = ids[i] = m[1]
-        ids[j] = -1
-        k = nxt[i] = nxt[j]
-        if k >= 0:
-            prv[k] = i
-            if m := get(new << 32 | ids[k]):
-                push(heap, (m[0], i))
-        p = prv[i]
-        if p >= 0 and (m := get(ids[p] << 32 | new)):
-            push(heap, (m[0], p))
-    return [t for t in ids if t >= 0]
 
 
 class _ChunkCache(dict[str, tuple[int, ...]]):

@@ -3,6 +3,7 @@
 config.py        ServeConfig: the [serve] section (address, key, limits)
 requests.py      a request to the engine, and its two refusals (queue full, stopping)
 engine.py        the engine thread: a queue, continuous batching, text to each request
+prefix.py        prefix reuse: which row's kept prompt a new request starts from
 programs.py      which chunk and prefill shapes the engine runs, compiled before it serves
 batch.py         the batch's compiled programs: per-row positions, rows in and out
 text.py          streamed text: bytes to UTF-8, stop strings
