@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from model.decoding.sampling import sample_logits, token_scores
+from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import PAD_ID, carry_layout, run_steps, zeros_like_layout
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
@@ -67,8 +68,10 @@ def batch_settings(rows: int) -> dict[str, np.ndarray]:
     }
 
 
-def set_row_settings(settings: dict, slot: int, sampling, stop_token: int | None) -> None:
-    """Write a request's sampling settings (a SamplingParams) and stop token into its row."""
+def set_row_settings(
+    settings: dict, slot: int, sampling: SamplingParams, stop_token: int | None
+) -> None:
+    """Write a request's sampling settings and stop token into row `slot` of `settings`."""
     settings["seed"][slot] = sampling.seed
     settings["temperature"][slot] = sampling.temperature
     settings["top_k"][slot] = sampling.top_k

@@ -14,9 +14,9 @@ context fills up first).
 Prefix reuse (as llama.cpp's `cache_prompt`): a row keeps its prompt's K/V, also after the
 request leaves. A new request takes the lowest free row (few busy rows, few rows computed),
 starts from a copy of the cache row whose kept prompt shares the longest start with its own
-(its own row's, or any other's), and prefills only from there (one token before it, whose
-logits it needs). Log-probabilities of the reused prompt tokens are kept with the row when
-they were computed.
+(its own row's, or any other's; model/serving/prefix.py chooses), and prefills only from there
+(one token before it, whose logits it needs). Log-probabilities of the reused prompt tokens
+are kept with the row when they were computed.
 
 Threading contract: the engine thread alone owns the batch, the rows (`slots`, `pos`,
 `texts`, the kept prefixes) and every compiled call; before `start` returns, the thread that
