@@ -293,16 +293,22 @@ def test_a_public_address_without_a_key_is_warned_about_and_ctrl_c_ends_it(run_d
     assert not any("Traceback" in line for line in server.lines)
 
 
-def test_a_quantized_run_is_served(run_dir, tmp_path):
+def test_a_quantized_run_is_served(run_dir, tmp_path, capsys):
+    """An int8 run answers with the greedy text that `--inference` gives on it. (Greedy, not
+    sampled: a request without a seed may draw end-of-text first and make no tokens.)"""
     import shutil
 
     quantized = tmp_path / "q8"
     shutil.copytree(run_dir, quantized)
     script = [sys.executable, str(ROOT / "scripts" / "quantize.py"), "--run", str(quantized)]
     subprocess.run([*script, "--bits", "8"], check=True, capture_output=True, timeout=300)
+    expected = inference_text(quantized, "to be", 6, capsys)
+    assert expected  # the comparison below is of some text, not of two empty answers
     with ServerProcess(quantized, *SMALL) as server:
-        answer = client(server).completions.create(model="m", prompt="to", max_tokens=4)
-        assert answer.usage.completion_tokens >= 1
+        answer = client(server).completions.create(
+            model="m", prompt="to be", max_tokens=6, temperature=0
+        )
+    assert answer.choices[0].text == expected and answer.usage.completion_tokens >= 1
 
 
 def test_sigterm_ends_the_server_within_10_s_with_one_line(run_dir):
