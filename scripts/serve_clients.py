@@ -14,6 +14,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass
 class Answer:
@@ -66,14 +68,8 @@ async def health(client, url: str) -> dict:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between the closest ranks (numpy's default); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    at = (len(ordered) - 1) * q / 100
-    low = int(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+    """numpy's percentile (linear between the closest ranks); None for no values."""
+    return float(np.percentile(values, q)) if values else None
 
 
 async def wave(client, url: str, bodies: list[dict], concurrent: bool) -> dict:
