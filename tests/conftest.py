@@ -40,6 +40,13 @@ _session_cache = tempfile.mkdtemp(prefix="tinyllm-test-cache-")
 atexit.register(shutil.rmtree, _session_cache, True)
 os.environ["TINYLLM_XLA_CACHE"] = _session_cache
 
+# Training imports orbax on a background thread (plumbing.lazy). Under pytest that import goes
+# through pytest's assertion rewriting (orbax has a `test_utils` module), whose ast.parse on a
+# second thread can fail in CPython 3.11 ("AST constructor recursion depth mismatch", seen as a
+# thread-exception warning). Imported here, on the main thread, the background import finds it
+# done; the CLI, which rewrites nothing, keeps its lazy import (tests/test_train.py pins it).
+import orbax.checkpoint  # noqa: E402,F401
+
 PRECISION_VARIABLE = "JAX_DEFAULT_MATMUL_PRECISION"
 
 
