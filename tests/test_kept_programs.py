@@ -79,8 +79,17 @@ def test_a_second_run_reads_every_program_and_trains_the_same(tmp_path):
     # Another learning rate is another program (the schedule's constants), not the kept one.
     third = train(tmp_path, "third", cache, "train.learning_rate=1e-3")
     assert "train-step: kept program compiled" in "\n".join(third)
-    assert len(entries(cache / "programs")["train-step"]) == 2
+    # Each config points at its program, kept once under a digest of its lowered text.
+    assert len(entries(cache / "programs")["train-step"]) == 4
     assert metrics(tmp_path / "third")[-1] != metrics(tmp_path / "first")[-1]
+    # A config that differs where the programs do not (how often it logs) finds them under
+    # their text: it compiles nothing and trains as the first.
+    fourth = train(tmp_path, "fourth", cache, "train.log_interval=2")
+    assert len(fourth) == len(KINDS) and not [line for line in fourth if "compiled" in line]
+    logged = metrics(tmp_path / "fourth")
+    assert len(logged) < len(metrics(tmp_path / "first"))
+    assert all(record in metrics(tmp_path / "first") for record in logged)
+    assert len(entries(cache / "programs")["train-step"]) == 5  # its pointer only
 
 
 def program(cache: ProgramCache, size: int) -> KeptProgram:
@@ -100,9 +109,9 @@ def compiles(monkeypatch) -> list[str]:
     calls: list[str] = []
     original = KeptProgram._compile_and_keep
 
-    def counted(self, args):
+    def counted(self, args, lowered=None):
         calls.append(self.kind)
-        return original(self, args)
+        return original(self, args, lowered)
 
     monkeypatch.setattr(KeptProgram, "_compile_and_keep", counted)
     return calls
@@ -111,7 +120,8 @@ def compiles(monkeypatch) -> list[str]:
 def test_a_kept_program_gives_what_the_jitted_one_gives(tmp_path, compiles):
     size, cache = next(_NEW_SIZES), ProgramCache(tmp_path)
     expected = run_program(program(cache, size), size)
-    assert len(compiles) == 1 and len(list(tmp_path.glob("train-test-*.bin"))) == 1
+    # The program under its text, and this config's pointer to it.
+    assert len(compiles) == 1 and len(list(tmp_path.glob("train-test-*.bin"))) == 2
     loaded = run_program(program(cache, size), size)
     assert len(compiles) == 1  # read, not compiled
     np.testing.assert_array_equal(loaded[0], expected[0])
@@ -123,7 +133,7 @@ def test_a_kept_program_gives_what_the_jitted_one_gives(tmp_path, compiles):
 def test_a_damaged_entry_is_compiled_again(tmp_path, compiles, damage):
     size, cache = next(_NEW_SIZES), ProgramCache(tmp_path)
     expected = run_program(program(cache, size), size)
-    (path,) = tmp_path.glob("train-test-*.bin")
+    path = max(tmp_path.glob("train-test-*.bin"), key=lambda p: p.stat().st_size)  # the program
     data = bytearray(path.read_bytes())
     if damage == "flipped-bit":
         data[len(data) // 2] ^= 0x10
@@ -167,7 +177,7 @@ def test_a_program_read_ahead_from_shapes_runs_as_the_one_read_on_call(tmp_path,
     other = jax.ShapeDtypeStruct((size + 50,), jnp.float32, sharding=like.sharding)
     prog.prefetch(other, other)
     run_program(prog, size + 50)
-    assert len(reads) == 2 and len(compiles) == 2
+    assert len(reads) == 3 and len(compiles) == 2  # read ahead, then under its text: none
 
 
 def test_new_shapes_compile_a_program_of_their_own(tmp_path, compiles):
@@ -176,7 +186,7 @@ def test_new_shapes_compile_a_program_of_their_own(tmp_path, compiles):
     run_program(prog, size)
     run_program(prog, size + 100)  # a batch-size schedule's next size
     run_program(prog, size)
-    assert len(compiles) == 2 and len(list(tmp_path.glob("train-test-*.bin"))) == 2
+    assert len(compiles) == 2 and len(list(tmp_path.glob("train-test-*.bin"))) == 4
 
 
 def test_without_a_cache_or_with_several_processes_the_jitted_function_runs(tmp_path, monkeypatch):
@@ -220,5 +230,5 @@ def test_a_program_jax_holds_in_its_own_disk_cache_is_kept_all_the_same(tmp_path
 
     compiled = run(str(jax_dir), str(ours), "jit-first")
     assert any(jax_dir.iterdir())  # JAX kept the jitted program
-    assert len(list(ours.glob("train-test-*.bin"))) == 1  # and ours was compiled, and kept
+    assert len(list(ours.glob("train-test-*.bin"))) == 2  # ours was compiled, kept, pointed at
     assert run("", str(ours), "-") == compiled  # a new process runs the kept executable

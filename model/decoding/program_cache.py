@@ -48,7 +48,9 @@ from plumbing.hashing import files_sha256
 MAGIC = b"tinyllm program cache 1\n"
 JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # jax.monitoring: read from its disk cache
 MODEL_PACKAGE = Path(__file__).resolve().parents[1]  # its modules shape every program
-MAX_ENTRIES = 64
+# A training config takes a small entry per program (a pointer to the program under its text,
+# model/training/kept_programs.py) beside the programs it compiled: about 8 entries a config.
+MAX_ENTRIES = 128
 _JAX_SETTINGS = (  # jax settings that change what a traced program computes or how it lowers
     "jax_enable_x64",
     "jax_default_matmul_precision",

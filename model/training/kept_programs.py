@@ -12,7 +12,11 @@ no tracing, lowering or compiling.
 A program to keep is compiled past JAX's own disk cache: an executable read back from that
 cannot be serialized again (XLA:CPU loads it, then fails to run it), and with JAX's key (the
 program's text) the entry would never be written once JAX held the program. So each config
-compiles once, and then reads its own entry. A loaded program that fails its first call,
+compiles once, and then reads its own entry. The program itself is kept under a digest of its
+lowered text, and the config's entry points there: a config that differs only where the program
+does not (train.max_steps under a set train.lr_decay_steps, the log interval, the tracker), as a
+resume that trains further often does, traces and lowers its program, finds it under that
+text and reads it rather than compiling again. A loaded program that fails its first call,
 before its arguments were donated, is compiled again and replaces its entry. Several
 processes compile their own (the cache is for one).
 
@@ -31,6 +35,7 @@ call, as without `prefetch`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -102,28 +107,45 @@ class KeptProgram:
         return out
 
     def _entry(self, args: tuple) -> dict[str, Any]:
-        inputs = [
-            [jax.tree_util.keystr(path), *map(str, _leaf_signature(x))]
-            for path, x in jax.tree_util.tree_leaves_with_path(args)
-        ]
-        return {**self.arguments, "inputs": inputs}
+        return {**self.arguments, "inputs": args_of(args)}
 
     def _read(self, entry: dict[str, Any]) -> Any:
         """The kept program of `entry`, loaded; None if there is none (or it does not load)."""
         stored = self.cache.get(self.kind, entry)
+        if isinstance(stored, dict):  # this config's pointer to the program under its text
+            stored = self.cache.get(self.kind, stored["program"])
         return _deserialize(stored, self.devices) if stored is not None else None
 
     def _load_or_compile(self, args: tuple, signature) -> Any:
         reading = self._reading.pop(signature, None)
         program = self._read(self._entry(args)) if reading is None else reading.result()
+        lowered = None
+        if program is None:  # not under this config: perhaps under its text
+            lowered = self.jitted.trace(*args).lower()
+            program = self._read_by_text(lowered, args)
         if program is not None:
             _LOG.debug("%s: kept program read%s", self.kind, "" if reading is None else " ahead")
             self._unproven.add(signature)
             return program
-        return self._compile_and_keep(args)
+        return self._compile_and_keep(args, lowered)
 
-    def _compile_and_keep(self, args: tuple) -> Any:
-        lowered = self.jitted.trace(*args).lower()
+    def _read_by_text(self, lowered, args: tuple) -> Any:
+        """The program kept under its lowered text, when another config (another
+        train.max_steps with the same schedule, log interval, tracker) compiled the same one;
+        it is kept under this config too. None if there is none."""
+        by_text = self._text_entry(lowered, args)
+        program = self._read(by_text)
+        if program is not None:
+            self.cache.put(self.kind, self._entry(args), {"program": by_text})
+        return program
+
+    def _text_entry(self, lowered, args: tuple) -> dict[str, Any]:
+        text = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        return {"program_text": text, "devices": self.arguments["devices"], "inputs": args_of(args)}
+
+    def _compile_and_keep(self, args: tuple, lowered=None) -> Any:
+        if lowered is None:
+            lowered = self.jitted.trace(*args).lower()
         with jax_disk_cache_off():
             compiled = lowered.compile()
         try:
@@ -131,7 +153,9 @@ class KeptProgram:
         except Exception as err:  # constants in the program; JAX's own in-memory copy
             _LOG.debug("%s: not kept (%s)", self.kind, err)
         else:
-            self.cache.put(self.kind, self._entry(args), payload)
+            by_text = self._text_entry(lowered, args)
+            self.cache.put(self.kind, by_text, payload)
+            self.cache.put(self.kind, self._entry(args), {"program": by_text})
             _LOG.debug("%s: kept program compiled", self.kind)
         return compiled
 
@@ -141,6 +165,14 @@ def kept(jitted, cache: ProgramCache | None, kind: str, arguments: dict, devices
     if cache is None or jax.process_count() > 1:
         return jitted
     return KeptProgram(jitted, cache, kind, arguments, devices)
+
+
+def args_of(args: tuple) -> list:
+    """Each argument leaf's path, shape, dtype, weak type and sharding, as text."""
+    return [
+        [jax.tree_util.keystr(path), *map(str, _leaf_signature(x))]
+        for path, x in jax.tree_util.tree_leaves_with_path(args)
+    ]
 
 
 def _signature(leaves: list, treedef) -> tuple:
