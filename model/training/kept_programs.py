@@ -107,7 +107,7 @@ class KeptProgram:
         return out
 
     def _entry(self, args: tuple) -> dict[str, Any]:
-        return {**self.arguments, "inputs": args_of(args)}
+        return {**self.arguments, "inputs": _inputs_of(args)}
 
     def _read(self, entry: dict[str, Any]) -> Any:
         """The kept program of `entry`, loaded; None if there is none (or it does not load)."""
@@ -141,7 +141,8 @@ class KeptProgram:
 
     def _text_entry(self, lowered, args: tuple) -> dict[str, Any]:
         text = hashlib.sha256(lowered.as_text().encode()).hexdigest()
-        return {"program_text": text, "devices": self.arguments["devices"], "inputs": args_of(args)}
+        devices = self.arguments["devices"]
+        return {"program_text": text, "devices": devices, "inputs": _inputs_of(args)}
 
     def _compile_and_keep(self, args: tuple, lowered=None) -> Any:
         if lowered is None:
@@ -167,7 +168,7 @@ def kept(jitted, cache: ProgramCache | None, kind: str, arguments: dict, devices
     return KeptProgram(jitted, cache, kind, arguments, devices)
 
 
-def args_of(args: tuple) -> list:
+def _inputs_of(args: tuple) -> list:
     """Each argument leaf's path, shape, dtype, weak type and sharding, as text."""
     return [
         [jax.tree_util.keystr(path), *map(str, _leaf_signature(x))]
