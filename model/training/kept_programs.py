@@ -119,24 +119,17 @@ class KeptProgram:
     def _load_or_compile(self, args: tuple, signature) -> Any:
         reading = self._reading.pop(signature, None)
         program = self._read(self._entry(args)) if reading is None else reading.result()
-        lowered = None
-        if program is None:  # not under this config: perhaps under its text
+        if program is None:
+            # Not under this config; perhaps another config (another train.max_steps with the
+            # same schedule, log interval, tracker) compiled the same program: under its text.
             lowered = self.jitted.trace(*args).lower()
-            program = self._read_by_text(lowered, args)
-        if program is not None:
-            _LOG.debug("%s: kept program read%s", self.kind, "" if reading is None else " ahead")
-            self._unproven.add(signature)
-            return program
-        return self._compile_and_keep(args, lowered)
-
-    def _read_by_text(self, lowered, args: tuple) -> Any:
-        """The program kept under its lowered text, when another config (another
-        train.max_steps with the same schedule, log interval, tracker) compiled the same one;
-        it is kept under this config too. None if there is none."""
-        by_text = self._text_entry(lowered, args)
-        program = self._read(by_text)
-        if program is not None:
+            by_text = self._text_entry(lowered, args)
+            program = self._read(by_text)
+            if program is None:
+                return self._compile_and_keep(args, lowered, by_text)
             self.cache.put(self.kind, self._entry(args), {"program": by_text})
+        _LOG.debug("%s: kept program read%s", self.kind, "" if reading is None else " ahead")
+        self._unproven.add(signature)
         return program
 
     def _text_entry(self, lowered, args: tuple) -> dict[str, Any]:
@@ -144,7 +137,9 @@ class KeptProgram:
         devices = self.arguments["devices"]
         return {"program_text": text, "devices": devices, "inputs": _inputs_of(args)}
 
-    def _compile_and_keep(self, args: tuple, lowered=None) -> Any:
+    def _compile_and_keep(self, args: tuple, lowered=None, by_text=None) -> Any:
+        """Compile the program (from `lowered`, when the caller has it) and keep it under its
+        text (`by_text`, its entry, when the caller has it), with this config's pointer."""
         if lowered is None:
             lowered = self.jitted.trace(*args).lower()
         with jax_disk_cache_off():
@@ -154,7 +149,7 @@ class KeptProgram:
         except Exception as err:  # constants in the program; JAX's own in-memory copy
             _LOG.debug("%s: not kept (%s)", self.kind, err)
         else:
-            by_text = self._text_entry(lowered, args)
+            by_text = by_text or self._text_entry(lowered, args)
             self.cache.put(self.kind, by_text, payload)
             self.cache.put(self.kind, self._entry(args), {"program": by_text})
             _LOG.debug("%s: kept program compiled", self.kind)
