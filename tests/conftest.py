@@ -62,3 +62,15 @@ def float32_products_on_accelerators():
     if jax.default_backend() != "cpu" and PRECISION_VARIABLE not in os.environ:
         os.environ[PRECISION_VARIABLE] = "highest"
         jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def processes_share_one_gpu():
+    """On a GPU, a JAX process takes 75% of its memory at start-up, and the next one (a server
+    that a test starts beside its own JAX, the CLI's runs) then finds no device (seen on an
+    H100). The processes this session starts take only what they use; a user's own setting
+    wins. A CPU run is left alone (--plan reads the variable, tests/test_plan.py)."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

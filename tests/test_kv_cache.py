@@ -302,3 +302,28 @@ def test_generate_input_validation(gen_model, kwargs, message):
     kwargs = {"prompt_ids": PROMPT, "max_new_tokens": 4, **kwargs}
     with pytest.raises(UsageError, match=message):
         generate(gen_model, **kwargs)  # raises before any chunk is requested
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_batch_writes_its_rows_alike_by_loop_and_by_scatter(t):
+    """A serving batch writes each row's keys at its own position: by in-place slice writes in
+    a loop on a CPU, by one scatter elsewhere (a GPU pays a host round trip per loop turn).
+    Both give the same cache, and each platform's program holds its own form."""
+    from model.network.attention import scatter_rows, write_cache, write_rows_in_loop
+
+    rng = np.random.default_rng(t)
+    b, h, s, d = 5, 3, 16, 4
+    slots = jnp.asarray(rng.normal(size=(b, h, s, d)), jnp.float32)
+    new_BxTxHxD = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    positions = jnp.asarray(rng.permutation(s - t)[:b, None], jnp.int32)
+    new_BxHxTxD = new_BxTxHxD.transpose(0, 2, 1, 3)
+    looped = write_rows_in_loop(slots, new_BxHxTxD, positions)
+    np.testing.assert_array_equal(scatter_rows(slots, new_BxHxTxD, positions), looped)
+    np.testing.assert_array_equal(write_cache(slots, new_BxTxHxD, positions), looped)
+    for row, at in enumerate(np.asarray(positions[:, 0])):
+        np.testing.assert_array_equal(looped[row, :, at : at + t], new_BxHxTxD[row])
+
+    traced = jax.jit(write_cache).trace(slots, new_BxTxHxD, positions)
+    for platform, scatters in (("cpu", False), ("cuda", True), ("tpu", True)):
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        assert ("stablehlo.scatter" in text, "stablehlo.while" in text) == (scatters, not scatters)

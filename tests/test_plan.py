@@ -20,6 +20,14 @@ from plumbing.errors import UsageError
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def jax_default_gpu_share(monkeypatch):
+    """The plans below assume JAX's default share of a GPU's memory (75%): the suite itself
+    turns preallocation off where it runs on a GPU (tests/conftest.py)."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+
+
 def config(name: str, *overrides: str):
     return planned_config(load_config(resolve_config_path(name), list(overrides)))
 

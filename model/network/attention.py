@@ -218,19 +218,42 @@ def position_mask(query_pos_BxT: jax.Array, num_keys: int) -> jax.Array:
 
 def write_cache(slots_BxHxSxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT) -> jax.Array:
     """The cache with this call's keys (or values) written at their positions: one slice
-    write when every row is at the same position ([1, T] positions), else (a serving batch,
-    [B, 1]) one in-place slice write per row, in a loop, rather than a scatter."""
+    write when every row is at the same position ([1, T] positions); else (a serving batch,
+    [B, 1]) a write per row, whose form depends on the platform (`jax.lax.platform_dependent`,
+    chosen when the program is lowered): on a CPU, in-place slice writes in a loop, which
+    XLA:CPU runs faster than a scatter; elsewhere one scatter, since each turn of a loop costs
+    a GPU a round trip to the host (measured on an H100: a 16-row decode step of an 11M model
+    took 1.9-2.3 ms with the loop, 0.36 ms for one row)."""
     new_BxHxTxD = new_BxTxHxD.transpose(0, 2, 1, 3).astype(slots_BxHxSxD.dtype)
     if positions_BxT.shape[0] == 1:
         return jax.lax.dynamic_update_slice(
             slots_BxHxSxD, new_BxHxTxD, (0, 0, positions_BxT[0, 0], 0)
         )
+    return jax.lax.platform_dependent(
+        slots_BxHxSxD, new_BxHxTxD, positions_BxT, cpu=write_rows_in_loop, default=scatter_rows
+    )
+
+
+def write_rows_in_loop(slots_BxHxSxD, new_BxHxTxD, positions_BxT) -> jax.Array:
+    """Row b's T entries written at positions_BxT[b, 0].. by one in-place slice write each."""
 
     def write_row(b, slots):
         row = jax.lax.dynamic_index_in_dim(new_BxHxTxD, b, axis=0)
         return jax.lax.dynamic_update_slice(slots, row, (b, 0, positions_BxT[b, 0], 0))
 
     return jax.lax.fori_loop(0, new_BxHxTxD.shape[0], write_row, slots_BxHxSxD)
+
+
+def scatter_rows(slots_BxHxSxD, new_BxHxTxD, positions_BxT) -> jax.Array:
+    """The same writes as `write_rows_in_loop`, as one scatter (the caller keeps every
+    position inside the cache)."""
+    b, _, t, _ = new_BxHxTxD.shape
+    rows_Bx1 = jnp.arange(b)[:, None]
+    slots_BxT = positions_BxT[:, :1] + jnp.arange(t)
+    # Advanced indices around a slice put their broadcast dims first: [B, T, H, D].
+    return slots_BxHxSxD.at[rows_Bx1, :, slots_BxT, :].set(
+        new_BxHxTxD.transpose(0, 2, 1, 3), unique_indices=True
+    )
 
 
 class CausalSelfAttention(nnx.Module):
