@@ -13,6 +13,7 @@ import pytest
 from tests.tiny_runs import ROOT
 
 SCRIPTS = [
+    "bench_engine",
     "bench_generate",
     "bench_moe",
     "bench_quant",
@@ -133,3 +134,26 @@ def test_serve_bench_starts_a_server_measures_and_stops_it(tmp_path):
     for summary in [*result["clients"], result["sequential"]]:
         assert summary["tokens"] == 4 * summary["requests"] and summary["failed"] == 0
     assert "one request: decode" in proc.stdout and result["inference_per_s"] > 0
+
+
+def test_engine_bench_times_waves_and_every_row_count(tmp_path):
+    """End to end on a tiny char run: a wave row per client count with positive rates and
+    parts, and a chunk row for each row count the engine compiled."""
+    from tests.tiny_runs import train_tiny_run
+
+    run_dir = train_tiny_run(tmp_path, "train.max_steps=4")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--run", str(run_dir),
+         "--rows", "4", "--clients", "1", "3", "--max-tokens", "6", "--repeats", "1",
+         "--prompt", "to be or"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [
+        line.strip("|").split("|") for line in proc.stdout.splitlines() if line.startswith("| ")
+    ]
+    waves = [r for r in rows if len(r) == 5 and r[0].strip().isdigit()]
+    assert [r[0].strip() for r in waves] == ["1", "3"]
+    assert all(float(cell.replace(",", "")) > 0 for r in waves for cell in r[1:3])
+    chunks = [r for r in rows if len(r) == 3 and r[0].strip().isdigit()]
+    assert sorted({int(r[0]) for r in chunks}) == [1, 4] and all(float(r[2]) > 0 for r in chunks)
