@@ -51,26 +51,21 @@ PRECISION_VARIABLE = "JAX_DEFAULT_MATMUL_PRECISION"
 
 
 @pytest.fixture(autouse=True, scope="session")
-def float32_products_on_accelerators():
-    """On a GPU or TPU, float32 products by default are TF32 or one bf16 pass
-    (model/network/precision.py), and the suite's same-values tests (cached = full forward,
-    one device = four, resumed = uninterrupted) would compare that rounding instead of the
-    code. There the suite asks for float32 products, in this process and the runs it starts;
-    on a CPU they are float32 already and nothing changes. A user's own setting wins."""
+def accelerator_settings():
+    """Where the suite runs on a GPU or TPU, for this process and the runs it starts; on a CPU
+    nothing changes, and a user's own settings win.
+
+    - Float32 products: by default they are TF32 or one bf16 pass there
+      (model/network/precision.py), and the same-values tests (cached = full forward, one
+      device = four, resumed = uninterrupted) would compare that rounding instead of the code.
+    - On a GPU, no preallocation: a JAX process takes 75% of the memory at start-up, and the
+      next one (a server that a test starts beside its own JAX, the CLI's runs) then finds no
+      device (seen on an H100). A CPU run leaves it unset (--plan reads it, test_plan.py)."""
     import jax
 
-    if jax.default_backend() != "cpu" and PRECISION_VARIABLE not in os.environ:
+    backend = jax.default_backend()
+    if backend != "cpu" and PRECISION_VARIABLE not in os.environ:
         os.environ[PRECISION_VARIABLE] = "highest"
         jax.config.update("jax_default_matmul_precision", "highest")
-
-
-@pytest.fixture(autouse=True, scope="session")
-def processes_share_one_gpu():
-    """On a GPU, a JAX process takes 75% of its memory at start-up, and the next one (a server
-    that a test starts beside its own JAX, the CLI's runs) then finds no device (seen on an
-    H100). The processes this session starts take only what they use; a user's own setting
-    wins. A CPU run is left alone (--plan reads the variable, tests/test_plan.py)."""
-    import jax
-
-    if jax.default_backend() == "gpu":
+    if backend == "gpu":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
