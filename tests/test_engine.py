@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from model.decoding.generate import generate_all
 from model.decoding.sampling_params import SEED_MAX, SamplingParams
+from model.network.attention import traced_for
 from model.serving.engine import Engine
 from model.serving.requests import EngineStopping, QueueFull, Request
 from model.serving.text import StopText
@@ -205,9 +206,16 @@ def test_the_stop_scan_is_linear_in_the_text():
     assert sent == "x" * (16_000 - 4000) and not text.stopped
 
 
-def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(tokenizer):
+@pytest.mark.parametrize("host", ["cpu", "tpu"])
+def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(tokenizer, host):
     # Rows of different lengths share chunks: each chunk attends over as many cache slots as
-    # its longest row needs (32 or 64 here), and every row slides past the context (64).
+    # its longest row needs (32 or 64 here), and every row slides past the context (64). As a
+    # TPU's (or GPU's) host: chunk programs of fixed step counts (model.decoding.steps).
+    with traced_for(host):
+        rows_decode_as_generate_does(tokenizer, fixed_counts=host != "cpu")
+
+
+def rows_decode_as_generate_does(tokenizer, fixed_counts: bool):
     prompts = [prompt_of(20, 3), prompt_of(21, 30), prompt_of(22, 50)]
     settings_of = [SamplingParams(temperature=0.0), SamplingParams(0.9, 5, 0.95, 7),
                    SamplingParams(1.1, 0, 0.9, 8)]  # fmt: skip
@@ -215,6 +223,7 @@ def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(to
     model = tiny_model(seed=5, kernel_scale=3.0, block_size=BLOCK)
     engine = Engine(model, tokenizer, rows=4, queue_size=16, chunk_steps=4)
     engine.start()
+    assert engine.programs.fixed_counts == fixed_counts
     collects = [Collect() for _ in prompts]
     for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
         engine.submit(Request(ids, 90, collect, sampling=params, logprobs=0))

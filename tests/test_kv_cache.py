@@ -14,8 +14,10 @@ import pytest
 from flax import nnx
 
 from model.decoding.generate import generate, generate_all
+from model.decoding.programs import compile_programs
 from model.decoding.sampling import sample_logits, sampling_params
-from model.decoding.steps import PAD_ID
+from model.decoding.steps import PAD_ID, fixed_step_counts
+from model.network.attention import traced_for
 from plumbing.errors import UsageError
 from tests.tiny_models import forward, random_tokens, tiny_model
 
@@ -302,6 +304,25 @@ def test_generate_input_validation(gen_model, kwargs, message):
     kwargs = {"prompt_ids": PROMPT, "max_new_tokens": 4, **kwargs}
     with pytest.raises(UsageError, match=message):
         generate(gen_model, **kwargs)  # raises before any chunk is requested
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "uncached"])
+def test_fixed_step_counts_decode_as_a_traced_count_does(gen_model, use_cache):
+    """GPUs and TPUs run chunks of a count fixed when compiling: the whole chunk, or one-step
+    calls for a first token, a context's last slots and a stream's last tokens. They give the
+    tokens of the CPU's one program over a traced count, sampled with both filters, across
+    slides; jit-compiled and compiled ahead alike."""
+    kwargs = dict(max_new_tokens=3 * GEN_BLOCK + 5, use_cache=use_cache, temperature=1.0,
+                  top_k=20, top_p=0.9, seed=3)  # fmt: skip
+    expected = _gen(gen_model, **kwargs)
+    assert not fixed_step_counts()
+    with traced_for("tpu"):  # the host code of a TPU (its attention: the CPU's here)
+        assert fixed_step_counts()
+        jitted = _gen(gen_model, **kwargs)
+        ahead = compile_programs(gen_model, num_samples=2, use_cache=use_cache, chunk_size=CHUNK)
+        compiled = _gen(gen_model, programs=ahead, **kwargs)
+    np.testing.assert_array_equal(jitted, expected)
+    np.testing.assert_array_equal(compiled, expected)
 
 
 @pytest.mark.parametrize("t", [1, 3])

@@ -1,7 +1,7 @@
 """Every compiled program lowers for cuda, rocm and tpu from this CPU machine
 (scripts/check_lowering.py, model/accelerators/lowering.py), and the checks on the lowered text
 catch what they look for: float64, host callbacks, cuDNN attention missing or misplaced,
-float32 x bf16 products."""
+float32 x bf16 products, and (compiled here) control flow a GPU would leave to its host."""
 
 import os
 import re
@@ -15,9 +15,15 @@ import numpy as np
 import pytest
 
 from configs.schema import load_config, resolve_config_path
-from model.accelerators.lowering import lower_all, lower_program, training_programs
+from model.accelerators.gpu_host import traced_as
+from model.accelerators.lowering import (
+    decode_programs,
+    lower_all,
+    lower_program,
+    training_programs,
+)
 from model.accelerators.plan import planned_config
-from model.accelerators.program_text import inspect_text, mixed_products
+from model.accelerators.program_text import host_syncs, inspect_text, mixed_products
 
 ROOT = Path(__file__).resolve().parents[1]
 # The demo's shape, shrunk: two layers of 64 with head dim 32 (cuDNN's multiple of 8).
@@ -70,6 +76,48 @@ def test_float32_times_bf16_products_are_found_inside_the_program():
     x16 = x32.astype(jnp.bfloat16)
     bf16_grad = jax.make_jaxpr(jax.grad(lambda x, w: product(x, w).sum()))(x16, w16)
     assert len(mixed_products(bf16_grad)) == 1  # the float32 cotangent meets bf16 w
+
+
+def compiled_here(f, *args, platform: str = "cuda") -> str:
+    """The optimised HLO of `f` lowered for `platform` and compiled by XLA on this CPU."""
+    return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).compile().as_text()
+
+
+def test_host_syncs_finds_the_control_flow_a_gpu_would_wait_for():
+    x = jnp.arange(64.0)
+
+    def counted(x):
+        return jax.lax.fori_loop(0, 4, lambda i, c: jnp.sort(c * x), x)
+
+    def traced(x, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: jnp.sort(c * x), x)
+
+    def branch(x):
+        return jax.lax.cond(x[0] > 0, jnp.sort, lambda c: jnp.cumsum(c[::-1]), x)
+
+    def per_platform(x):
+        return jax.lax.platform_dependent(x, cpu=branch, default=jnp.sort)
+
+    assert host_syncs(compiled_here(counted, x)) == []
+    assert host_syncs(compiled_here(traced, x, 4)) == ["1 while loop(s) without a known trip count"]
+    assert host_syncs(compiled_here(branch, x)) == ["1 conditional(s) decided on the host"]
+    assert host_syncs(compiled_here(per_platform, x)) == []  # cuda's branch, chosen at lowering
+    assert host_syncs(compiled_here(per_platform, x, platform="cpu")) != []
+
+
+def test_a_decode_chunk_over_a_traced_step_count_is_caught():
+    """The check on the real program: the cached chunk lowered for cuda over a traced count
+    (as XLA:CPU runs it) leaves its loop to the host; over the fixed count, nothing."""
+    cfg = small_config()
+    traced = next(p for p in decode_programs(cfg) if p.name == "cached chunk")
+    with traced_as("cuda"):
+        fixed = traced.trace()
+    with traced_as("cpu"):
+        counted_by_argument = traced.trace()
+    assert host_syncs(fixed.lower(lowering_platforms=("cuda",)).compile().as_text()) == []
+    assert host_syncs(
+        counted_by_argument.lower(lowering_platforms=("cuda",)).compile().as_text()
+    ) == ["1 while loop(s) without a known trip count"]
 
 
 def test_every_program_and_variant_lowers_for_every_platform():

@@ -22,7 +22,11 @@ cuda in bf16 the model picks cuDNN flash attention) and lowered with
     should pick it, and nowhere else;
   - in bf16, no product of a float32 and a bf16 operand without the bf16 algorithm
     (model/network/precision.py): that product would run in float32 (checked on the traced
-    program, before lowering hides it behind an upcast).
+    program, before lowering hides it behind an upcast);
+  - for cuda and rocm, in the programs a stream calls every few tokens (decode, serve), no
+    control flow that XLA:GPU decides on the host: no conditional, no loop without a known
+    trip count (checked on the program compiled by XLA here, whose passes fold the platform
+    choices and find trip counts as XLA:GPU's do; not where cuDNN's calls are in it).
 
     >>> results = lower_all(load_config("configs/shakespeare.toml"), ("tpu",))  # doctest: +SKIP
     >>> all(r.ok for r in results)  # doctest: +SKIP
@@ -44,12 +48,18 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from model.accelerators.gpu_host import attention_on, traced_as
-from model.accelerators.program_text import custom_call_targets, inspect_text, mixed_products
+from model.accelerators.program_text import (
+    custom_call_targets,
+    host_syncs,
+    inspect_text,
+    mixed_products,
+)
 from model.decoding.programs import DEFAULT_CHUNK_SIZE
 from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import (
     cached_chunk,
     carry_layout,
+    fixed_step_counts,
     refill,
     uncached_chunk,
     window_size,
@@ -90,6 +100,7 @@ class Program:
     trace: Callable[[], Any]
     full_attention: bool
     training: bool = False
+    streamed: bool = False  # called every few tokens (decoding, serving): see `host_syncs`
 
 
 @dataclass
@@ -186,15 +197,16 @@ def decode_programs(cfg) -> list[Program]:
             if program is refill:
                 return refill.trace(graphdef, state, carry, scalar, scalar, scalar)
             settings = _on_device(SamplingParams().settings(None))
-            return program.trace(graphdef, state, carry, settings, scalar, **static)
+            n_steps = None if fixed_step_counts() else scalar  # as this host compiles it
+            return program.trace(graphdef, state, carry, settings, n_steps, **static)
 
         return trace
 
     chunk = {"chunk_size": DEFAULT_CHUNK_SIZE}
     return [
-        Program("refill (prefill, slides)", tracer(refill, True), False),
-        Program("cached chunk", tracer(cached_chunk, True, **chunk), False),
-        Program("uncached chunk", tracer(uncached_chunk, False, **chunk), True),
+        Program("refill (prefill, slides)", tracer(refill, True), False, streamed=True),
+        Program("cached chunk", tracer(cached_chunk, True, **chunk), False, streamed=True),
+        Program("uncached chunk", tracer(uncached_chunk, False, **chunk), True, streamed=True),
     ]
 
 
@@ -219,15 +231,16 @@ def serving_programs(cfg) -> list[Program]:
                 return take_row.trace(batch, scalar)
             settings = _on_device(batch_settings(rows))
             active = _on_device(jax.ShapeDtypeStruct((rows,), jnp.bool_))
+            n_steps = None if fixed_step_counts() else scalar  # as this host compiles it
             return batch_chunk.trace(
-                graphdef, state, batch, settings, active, scalar,
+                graphdef, state, batch, settings, active, n_steps,
                 chunk_size=cfg.serve.chunk_steps, rows=rows,
             )  # fmt: skip
 
         return trace
 
     names = ("scored refill", "put_row", "take_row", "batch_chunk")
-    return [Program(name, tracer(name), False) for name in names]
+    return [Program(name, tracer(name), False, streamed=True) for name in names]
 
 
 @functools.lru_cache(maxsize=4)
@@ -315,9 +328,15 @@ def lower_program(
                     f"{len(mixed)} float32 x bf16 products would run in float32, e.g. {mixed[0]}"
                 )
             try:
-                text = traced.lower(lowering_platforms=(result.platform,)).as_text()
+                lowered = traced.lower(lowering_platforms=(result.platform,))
+                text = lowered.as_text()
                 result.problems += inspect_text(text, attention == "cudnn", program.training)
                 result.custom_calls = sorted(set(custom_call_targets(text)))
+                # XLA's passes here (the CPU compiler's: constant conditionals folded, trip
+                # counts found, as XLA:GPU's do) tell which control flow stays; cuDNN's calls
+                # compile only on a GPU.
+                if program.streamed and result.platform != "tpu" and attention != "cudnn":
+                    result.problems += host_syncs(lowered.compile().as_text())
             except Exception as err:  # likewise for lowering
                 result.problems.append(f"does not lower: {_describe(err)}")
     return results

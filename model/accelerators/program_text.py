@@ -48,6 +48,24 @@ def inspect_text(text: str, cudnn_expected: bool, backward: bool = False) -> lis
     return problems
 
 
+def host_syncs(compiled_hlo: str) -> list[str]:
+    """Control flow left in an optimised HLO program that XLA:GPU decides on the host,
+    waiting for the device each time (xla/backends/gpu/runtime: ConditionalThunk,
+    WhileThunk): every conditional (its predicate is copied back), and every while loop whose
+    trip count XLA did not find (its condition is copied back every turn). A GPU launch of
+    such a program returns only when the device reaches its end. TPUs decide both on the
+    device."""
+    found = []
+    conditionals = len(re.findall(r"\bconditional\(", compiled_hlo))
+    if conditionals:
+        found.append(f"{conditionals} conditional(s) decided on the host")
+    loops = re.findall(r"\bwhile\(.*", compiled_hlo)  # one instruction per line
+    uncounted = sum("known_trip_count" not in line for line in loops)
+    if uncounted:
+        found.append(f"{uncounted} while loop(s) without a known trip count")
+    return found
+
+
 def custom_call_targets(text: str) -> list[str]:
     return re.findall(r"custom_call @([\w$.\-]+)", text)
 

@@ -2,7 +2,8 @@
 (`compile_programs`) and kept on disk as executables in a `ProgramCache`, so that the next
 process skips tracing, lowering and compiling.
 
-Both programs (refill and chunk, model.decoding.steps) are compiled before the first token is
+The programs (refill and chunk, model.decoding.steps; on GPUs and TPUs a chunk of chunk_size
+steps and one of a single step, `fixed_step_counts`) are compiled before the first token is
 returned, so crossing the context later never compiles anything, and neither does a new prompt
 length or new sampling settings.
 
@@ -33,7 +34,13 @@ from jax.experimental import serialize_executable
 from model.decoding.budget import check_memory
 from model.decoding.program_cache import ProgramCache, jax_disk_cache_reads
 from model.decoding.sampling_params import SamplingParams
-from model.decoding.steps import chunk_program, refill, start_carry
+from model.decoding.steps import (
+    by_fixed_counts,
+    chunk_program,
+    fixed_step_counts,
+    refill,
+    start_carry,
+)
 from model.network.gpt import GPT
 from model.network.params import sampling_device
 
@@ -64,8 +71,12 @@ class DecodePrograms:
 def jit_programs(model: GPT, *, use_cache: bool, chunk_size: int) -> DecodePrograms:
     """The jitted programs, compiled at their first call (each new shape compiles again)."""
     graphdef = nnx.split(model)[0]
+    chunk = partial(chunk_program(use_cache), graphdef, chunk_size=chunk_size)
+    if fixed_step_counts():
+        one = partial(chunk_program(use_cache), graphdef, chunk_size=1)
+        chunk = by_fixed_counts(chunk, one, chunk_size)
     return DecodePrograms(
-        chunk=partial(chunk_program(use_cache), graphdef, chunk_size=chunk_size),
+        chunk=chunk,
         refill=partial(refill, graphdef) if use_cache else None,
         num_samples=None,
         use_cache=use_cache,
@@ -85,11 +96,12 @@ def compile_programs(
     crossing the context, a new prompt length or new sampling settings compile nothing more.
 
     With a `cache`, they are read from it when it holds them (no tracing, lowering or
-    compiling), and stored in it when they were compiled here. The two programs compile side by
+    compiling), and stored in it when they were compiled here. The programs compile side by
     side (XLA compiles outside the GIL).
     """
     check_memory(model.cfg, num_samples, use_cache)
     graphdef, state = nnx.split(model)
+    fixed = fixed_step_counts()
     arguments = {
         "model": dataclasses.asdict(model.cfg),
         "state": [
@@ -99,10 +111,11 @@ def compile_programs(
         "num_samples": num_samples,
         "use_cache": use_cache,
         "chunk_size": chunk_size,
+        "fixed_step_counts": fixed,
     }
     stored = cache.get("decode", arguments) if cache is not None else None
     compiled = _deserialize(stored) if stored is not None else None
-    example_args = _example_args(model, num_samples, use_cache)
+    example_args = _example_args(model, num_samples, use_cache, fixed)
     if compiled is not None and not _runs(compiled, example_args):
         compiled = None  # loaded, but cannot run here: compile, and replace the entry
     if compiled is None:
@@ -112,8 +125,11 @@ def compile_programs(
         payloads = _serialized(compiled) if cache is not None and not from_jax_cache else None
         if payloads is not None:
             cache.put("decode", arguments, payloads)
+    chunk = compiled["chunk"]
+    if fixed:
+        chunk = by_fixed_counts(chunk, compiled["step"], chunk_size)
     return DecodePrograms(
-        chunk=compiled["chunk"],
+        chunk=chunk,
         refill=compiled.get("refill"),
         num_samples=num_samples,
         use_cache=use_cache,
@@ -121,16 +137,21 @@ def compile_programs(
     )
 
 
-def _example_args(model: GPT, num_samples: int, use_cache: bool) -> dict[str, tuple]:
+def _example_args(model: GPT, num_samples: int, use_cache: bool, fixed: bool) -> dict[str, tuple]:
     """Each program's arguments (after the static ones), as `_stream` passes them: the same
-    shapes, dtypes and shardings, on a throwaway carry of its own (calls donate it)."""
+    shapes, dtypes and shardings, on a throwaway carry of its own (calls donate it). With
+    fixed step counts, "chunk" runs chunk_size steps and "step" one (n_steps None)."""
     state = nnx.state(model)
     zero = np.int32(0)
 
     def carry():
         return start_carry(model, np.zeros(1, np.int32), num_samples, use_cache)
 
-    args = {"chunk": (state, carry(), SamplingParams().settings(None), zero)}
+    settings = SamplingParams().settings(None)
+    if fixed:
+        args = {name: (state, carry(), settings, None) for name in ("chunk", "step")}
+    else:
+        args = {"chunk": (state, carry(), settings, zero)}
     if use_cache:
         args["refill"] = (state, carry(), zero, zero, zero)
     return args
@@ -138,7 +159,8 @@ def _example_args(model: GPT, num_samples: int, use_cache: bool) -> dict[str, tu
 
 def _runs(compiled: dict, example_args: dict[str, tuple]) -> bool:
     """Whether kept executables run: each called once on its example arguments (a chunk of
-    zero steps; their first call, which the first token would otherwise pay)."""
+    zero steps, or of its fixed count on a throwaway carry; their first call, which the first
+    token would otherwise pay)."""
     try:
         for name, args in example_args.items():
             jax.block_until_ready(compiled[name](*args))
@@ -151,6 +173,7 @@ def _compile(graphdef, example_args: dict[str, tuple], use_cache: bool, chunk_si
     """({name: jax.stages.Compiled}, whether any came from JAX's persistent cache)."""
     trace = {
         "chunk": partial(chunk_program(use_cache).trace, chunk_size=chunk_size),
+        "step": partial(chunk_program(use_cache).trace, chunk_size=1),
         "refill": refill.trace,
     }
 

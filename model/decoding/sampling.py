@@ -61,7 +61,27 @@ def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
         .at[jnp.arange(logits_BxV.shape[0])[:, None], order_BxV]
         .set(keep_sorted_BxV)
     )
-    return jnp.where(keep_BxV, logits_BxV, _NEG)
+    # A row with both filters off keeps every token exactly (rounding in the cumulative sum
+    # could otherwise drop a tail token whose mass before it reaches 1).
+    off_Bx1 = (k_Bx1 == vocab) & (top_p_Bx1 >= 1.0)
+    return jnp.where(keep_BxV | off_Bx1, logits_BxV, _NEG)
+
+
+def filter_unless_off(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`filter_logits`, skipping its sort when both filters are off in every row (a per-row
+    choice under vmap would run both branches) on a CPU. Elsewhere it always filters: XLA:GPU
+    copies a `cond`'s predicate to the host and waits for it, a sync every decode step, while
+    the sort costs the device little. Both give the same logits (`filter_logits` keeps a row
+    whose filters are off as it is)."""
+
+    def skip_when_off(x, k, p):
+        return jax.lax.cond(
+            jnp.any((k > 0) | (p < 1.0)), lambda x: filter_logits(x, k, p), lambda x: x, x
+        )
+
+    return jax.lax.platform_dependent(
+        logits_BxV, top_k, top_p, cpu=skip_when_off, default=filter_logits
+    )
 
 
 def sample_logits(
@@ -78,14 +98,7 @@ def sample_logits(
     logits_BxV = logits_BxV.astype(jnp.float32)
     greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     scaled_BxV = logits_BxV / jnp.reshape(jnp.maximum(temperature, 1e-6), (-1, 1))
-    # The sort behind the filters costs O(V log V) per step: skip it when both are off (in
-    # every row: a per-row choice under vmap would run both branches).
-    filtered_BxV = jax.lax.cond(
-        jnp.any((top_k > 0) | (top_p < 1.0)),
-        lambda x: filter_logits(x, top_k, top_p),
-        lambda x: x,
-        scaled_BxV,
-    )
+    filtered_BxV = filter_unless_off(scaled_BxV, top_k, top_p)  # the sort: O(V log V) a step
     if key.shape:  # a key per row
         draw = jax.vmap(lambda k, row_V: jax.random.categorical(k, row_V[None], axis=-1)[0])
         sampled_B = draw(key, filtered_BxV).astype(jnp.int32)

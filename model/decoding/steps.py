@@ -15,6 +15,7 @@ The carry, what one compiled call hands the next:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -24,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from model.decoding.sampling import sample_logits, token_scores
+from model.network.attention import backend_facts
 from model.network.config import ModelConfig
 from model.network.gpt import GPT, cache_layout
 from model.network.params import sampling_device
@@ -116,7 +118,8 @@ def _sample_step(logits_BxV: jax.Array, carry: dict, settings: dict) -> tuple[di
 
 
 def run_steps(step, carry: dict, n_steps, chunk_size: int) -> tuple[dict, Any]:
-    """n_steps (traced, <= chunk_size) calls of `step(carry) -> (carry, out)`; each leaf of
+    """n_steps calls of `step(carry) -> (carry, out)`: a traced count <= chunk_size, or None
+    for exactly chunk_size (a count known when compiling, `fixed_step_counts`). Each leaf of
     `out` ([B, ...]) comes back as [B, chunk_size, ...], PAD_ID (integers) or 0 past n.
     The serving batch (model/serving/batch.py) runs its steps through it too."""
     shapes = jax.eval_shape(step, carry)[1]
@@ -131,12 +134,49 @@ def run_steps(step, carry: dict, n_steps, chunk_size: int) -> tuple[dict, Any]:
         put = partial(jax.lax.dynamic_update_index_in_dim, index=i, axis=1)
         return c, jax.tree.map(lambda buf, x: put(buf, x), outs, out)
 
-    return jax.lax.fori_loop(0, n_steps, body, (carry, jax.tree.map(buffer, shapes)))
+    count = chunk_size if n_steps is None else n_steps
+    return jax.lax.fori_loop(0, count, body, (carry, jax.tree.map(buffer, shapes)))
+
+
+def fixed_step_counts() -> bool:
+    """Whether decode chunks are compiled for a fixed number of steps (chunk_size, and one)
+    rather than one program taking the count as an argument: on every host but a CPU (the
+    host the model is traced for, `backend_facts`).
+
+    XLA:GPU runs a loop whose trip count it cannot read from the program by copying the loop
+    condition to the host and waiting for it, every turn (so a launch returns only when the
+    chunk is done, and the host's work stops overlapping the device's); a count known when
+    compiling runs without. XLA:CPU runs loops on the host anyway: there one program serves
+    every count, and a short chunk costs only its own steps."""
+    return backend_facts()[0] != "cpu"
+
+
+def by_fixed_counts(full: Callable, one: Callable, chunk_size: int) -> Callable:
+    """A chunk callable `(*args, n_steps) -> (carry, out)` made of two programs compiled for
+    fixed counts (their n_steps argument None): `full` runs chunk_size steps, `one` a single
+    step. n_steps = chunk_size calls `full`; fewer call `one` n_steps times (a first token, a
+    context's last few slots) and join their outputs, [B, n_steps, ...]."""
+
+    def run(state, carry, *args):
+        *args, n_steps = args
+        n_steps = int(n_steps)
+        if n_steps == chunk_size:
+            return full(state, carry, *args, None)
+        if n_steps < 1:
+            raise ValueError(f"a chunk runs 1 to {chunk_size} steps, not {n_steps}")
+        outs = []
+        for _ in range(n_steps):
+            carry, out = one(state, carry, *args, None)
+            outs.append(out)
+        return carry, jax.tree.map(lambda *cols: jnp.concatenate(cols, axis=1), *outs)
+
+    return run
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",), donate_argnums=2)
 def cached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, chunk_size: int):
-    """n_steps decode steps against the cache; the host keeps pos + n_steps <= block_size."""
+    """n_steps (or, None, chunk_size) decode steps against the cache; the host keeps
+    pos + n_steps <= block_size."""
     model = nnx.merge(graphdef, state)
 
     def step(c):

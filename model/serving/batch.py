@@ -142,14 +142,14 @@ def batch_chunk(
     rows: int,
     length: int | None = None,
 ) -> tuple[dict, jax.Array]:
-    """n_steps (traced, <= chunk_size) decode steps of every active row; the host keeps each
-    active row's pos + n_steps <= length (default block_size). Only the first `rows` rows run
-    (the host puts every active row there): a few requests cost a few rows' compute, not the
-    whole batch's. They attend over the first `length` cache slots only: short rows cost
-    short attention. Returns (batch, out) for those rows: out["token"] [rows, chunk_size]
-    (PAD_ID for free slots, for rows past their stop token and past n_steps) and each token's
-    `token_scores` ("logprob" [rows, chunk_size], "top_ids"/"top_logprobs" [rows,
-    chunk_size, 5])."""
+    """n_steps (traced, <= chunk_size; None: chunk_size) decode steps of every active row;
+    the host keeps each active row's pos + n_steps <= length (default block_size). Only the
+    first `rows` rows run (the host puts every active row there): a few requests cost a few
+    rows' compute, not the whole batch's. They attend over the first `length` cache slots
+    only: short rows cost short attention. Returns (batch, out) for those rows:
+    out["token"] [rows, chunk_size] (PAD_ID for free slots, for rows past their stop token
+    and past n_steps) and each token's `token_scores` ("logprob" [rows, chunk_size],
+    "top_ids"/"top_logprobs" [rows, chunk_size, 5])."""
     model = nnx.merge(graphdef, state)
     length = length or model.cfg.block_size
     head = jax.tree_util.tree_map(lambda x: x[:rows], {**batch, "cache": None})

@@ -125,8 +125,15 @@ class Engine:
                 self._release(0)
                 self.kept[0] = None  # so the next width runs cold
         self._admit(0, Request([0] * min(self.window + 2, self.size), 2, _ignore))
+        # A chunk of one step, and with fixed step counts also the whole chunk's program.
+        counts = [1, self.chunk_steps] if self.programs.fixed_counts else [1]
         for rows, length in self.programs.shapes():
-            jax.block_until_ready(self._chunk(1, rows, length))
+            for steps in counts:
+                if self.pos[0] + steps > self.size:
+                    self._slide(0, force=True)
+                if self.pos[0] + steps > self.size:  # a chunk longer than the context allows
+                    continue
+                jax.block_until_ready(self._chunk(steps, rows, length))
         self._slide(0, force=True)
         self._release(0)
         self.kept[0] = None

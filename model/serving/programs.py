@@ -2,7 +2,9 @@
 
 - A decode chunk runs the first 1, 4, 16, ... rows of the batch (powers of four below the batch
   size, and the batch size: admission takes the lowest free row, so few requests stay in few
-  rows), attending over a few cache lengths per row count (`attention_lengths`).
+  rows), attending over a few cache lengths per row count (`attention_lengths`). On GPUs and
+  TPUs each shape is two programs, of `chunk_steps` steps and of one (a step count known when
+  compiling: `model.decoding.steps.fixed_step_counts`); on a CPU one takes the count.
 - A prefill runs one row's prompt in pieces of 16, 32, ... tokens up to `--inference`'s refill
   window, with or without the prompt's scores (`echo` with `logprobs`).
 
@@ -20,13 +22,14 @@ program, 1-3 ms a call on a 2-core CPU, more than a small model's chunk.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
 import numpy as np
 
-from model.decoding.steps import refill, start_carry
+from model.decoding.steps import by_fixed_counts, fixed_step_counts, refill, start_carry
 from model.serving.batch import attention_lengths, batch_chunk
 
 
@@ -41,8 +44,9 @@ class EnginePrograms:
         self.row_counts = sorted({*(4**i for i in range(rows.bit_length()) if 4**i < rows), rows})
         # The full batch attends over eighths of the context, fewer rows over coarser lengths.
         self.lengths = {n: attention_lengths(size, fine=n == rows) for n in self.row_counts}
-        self.chunks: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self.chunks: dict[tuple[int, int], Callable] = {}
         self.refills: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self.fixed_counts = False  # whether `compile` made fixed-count chunks (two a shape)
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (row count, cache length) a chunk may run."""
@@ -65,13 +69,20 @@ class EnginePrograms:
                     width=width, scored=scored)
             for width, scored in refills
         ]  # fmt: skip
-        chunks = self.shapes()
+        # (program size, n_steps argument): fixed counts take None (model.decoding.steps).
+        fixed = self.fixed_counts = fixed_step_counts()
+        counts = [(self.chunk_steps, None), (1, None)] if fixed else [(self.chunk_steps, scalar)]
+        chunks = [(shape, count) for shape in self.shapes() for count in counts]
         jobs += [
-            partial(batch_chunk.lower, graphdef, state, batch, settings, active, scalar,
-                    chunk_size=self.chunk_steps, rows=rows, length=length)
-            for rows, length in chunks
+            partial(batch_chunk.lower, graphdef, state, batch, settings, active, n_steps,
+                    chunk_size=size, rows=rows, length=length)
+            for (rows, length), (size, n_steps) in chunks
         ]  # fmt: skip
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             compiled = list(pool.map(lambda lower: lower().compile(), jobs))
         self.refills = dict(zip(refills, compiled[: len(refills)], strict=True))
-        self.chunks = dict(zip(chunks, compiled[len(refills) :], strict=True))
+        programs = iter(compiled[len(refills) :])
+        for shape in self.shapes():
+            full = next(programs)
+            one = next(programs) if fixed else None
+            self.chunks[shape] = by_fixed_counts(full, one, self.chunk_steps) if fixed else full
