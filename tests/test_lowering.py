@@ -1,7 +1,7 @@
 """Every compiled program lowers for cuda, rocm and tpu from this CPU machine
 (scripts/check_lowering.py, model/accelerators/lowering.py), and the checks on the lowered text
 catch what they look for: float64, host callbacks, cuDNN attention missing or misplaced,
-float32 x bf16 products, and (compiled here) control flow a GPU would leave to its host."""
+float32 x bf16 products, and control flow a GPU would leave to its host."""
 
 import os
 import re
@@ -78,11 +78,6 @@ def test_float32_times_bf16_products_are_found_inside_the_program():
     assert len(mixed_products(bf16_grad)) == 1  # the float32 cotangent meets bf16 w
 
 
-def compiled_here(f, *args, platform: str = "cuda") -> str:
-    """The optimised HLO of `f` lowered for `platform` and compiled by XLA on this CPU."""
-    return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).compile().as_text()
-
-
 def test_host_syncs_finds_the_control_flow_a_gpu_would_wait_for():
     x = jnp.arange(64.0)
 
@@ -98,26 +93,35 @@ def test_host_syncs_finds_the_control_flow_a_gpu_would_wait_for():
     def per_platform(x):
         return jax.lax.platform_dependent(x, cpu=branch, default=jnp.sort)
 
-    assert host_syncs(compiled_here(counted, x)) == []
-    assert host_syncs(compiled_here(traced, x, 4)) == ["1 while loop(s) without a known trip count"]
-    assert host_syncs(compiled_here(branch, x)) == ["1 conditional(s) decided on the host"]
-    assert host_syncs(compiled_here(per_platform, x)) == []  # cuda's branch, chosen at lowering
-    assert host_syncs(compiled_here(per_platform, x, platform="cpu")) != []
+    def syncs(f, *args, platform="cuda"):
+        return host_syncs(jax.make_jaxpr(f)(*args), platform)
+
+    assert syncs(counted, x) == []
+    assert syncs(traced, x, 4) == ["1 while loop(s) over a traced count"]
+    assert syncs(jax.jit(branch), x) == ["1 conditional(s) decided on the host"]
+    assert syncs(per_platform, x) == []  # cuda's branch, chosen when lowering
+    assert syncs(per_platform, x, platform="cpu") == ["1 conditional(s) decided on the host"]
+    # What XLA itself finds, compiling here: the counted loop's trip count, the other's none.
+    known = jax.jit(counted).lower(x).compile().as_text()
+    assert re.search(r"known_trip_count.{0,10}\"n\":\"4\"", known), known
+    unknown = jax.jit(traced).lower(x, 4).compile().as_text()
+    assert "while(" in unknown and "known_trip_count" not in unknown
 
 
 def test_a_decode_chunk_over_a_traced_step_count_is_caught():
-    """The check on the real program: the cached chunk lowered for cuda over a traced count
-    (as XLA:CPU runs it) leaves its loop to the host; over the fixed count, nothing."""
-    cfg = small_config()
-    traced = next(p for p in decode_programs(cfg) if p.name == "cached chunk")
+    """The check on the real programs: the cached chunk as a CPU host traces it (a traced
+    count, the filters' conditional) fails it for cuda; as a GPU host traces it, it passes."""
+    program = next(p for p in decode_programs(small_config()) if p.name == "cached chunk")
     with traced_as("cuda"):
-        fixed = traced.trace()
+        as_on_gpu = program.trace().jaxpr
     with traced_as("cpu"):
-        counted_by_argument = traced.trace()
-    assert host_syncs(fixed.lower(lowering_platforms=("cuda",)).compile().as_text()) == []
-    assert host_syncs(
-        counted_by_argument.lower(lowering_platforms=("cuda",)).compile().as_text()
-    ) == ["1 while loop(s) without a known trip count"]
+        as_on_cpu = program.trace().jaxpr
+    assert host_syncs(as_on_gpu, "cuda") == []
+    assert host_syncs(as_on_cpu, "cuda") == ["1 while loop(s) over a traced count"]
+    assert host_syncs(as_on_cpu, "cpu") == [
+        "1 conditional(s) decided on the host",
+        "1 while loop(s) over a traced count",
+    ]
 
 
 def test_every_program_and_variant_lowers_for_every_platform():

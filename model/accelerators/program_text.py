@@ -1,6 +1,7 @@
 """What a lowered program holds: the checks model/accelerators/lowering.py runs on the StableHLO
 text of each program (float64, host callbacks, cuDNN's fused attention where expected) and on
-its traced jaxpr (float32 x bf16 products without the bf16 algorithm).
+its traced jaxpr (float32 x bf16 products without the bf16 algorithm; control flow a GPU
+decides on its host).
 
     >>> inspect_text("func.func @main(%arg0: tensor<2xf64>)", cudnn_expected=False)
     ['float64 values in the program']
@@ -48,22 +49,49 @@ def inspect_text(text: str, cudnn_expected: bool, backward: bool = False) -> lis
     return problems
 
 
-def host_syncs(compiled_hlo: str) -> list[str]:
-    """Control flow left in an optimised HLO program that XLA:GPU decides on the host,
-    waiting for the device each time (xla/backends/gpu/runtime: ConditionalThunk,
-    WhileThunk): every conditional (its predicate is copied back), and every while loop whose
-    trip count XLA did not find (its condition is copied back every turn). A GPU launch of
-    such a program returns only when the device reaches its end. TPUs decide both on the
-    device."""
+def host_syncs(jaxpr, platform: str) -> list[str]:
+    """Control flow of a traced program that XLA:GPU (cuda, rocm) decides on the host,
+    waiting for the device each time (xla/backends/gpu/runtime: ConditionalThunk, WhileThunk):
+    every conditional (its predicate is copied back), and every `while` (a loop over a count
+    not fixed when tracing; its condition is copied back every turn). Scans, and fori_loops
+    over Python ints, which JAX traces as scans, have trip counts XLA knows. A
+    `jax.lax.platform_dependent` choice is no conditional: the lowering keeps `platform`'s
+    branch alone, and only that branch is looked into. A GPU launch of a program with either
+    returns only when the device reaches its end; TPUs decide both on the device."""
+    conditionals, loops = _host_decided(jaxpr, platform)
     found = []
-    conditionals = len(re.findall(r"\bconditional\(", compiled_hlo))
     if conditionals:
         found.append(f"{conditionals} conditional(s) decided on the host")
-    loops = re.findall(r"\bwhile\(.*", compiled_hlo)  # one instruction per line
-    uncounted = sum("known_trip_count" not in line for line in loops)
-    if uncounted:
-        found.append(f"{uncounted} while loop(s) without a known trip count")
+    if loops:
+        found.append(f"{loops} while loop(s) over a traced count")
     return found
+
+
+def _host_decided(jaxpr, platform: str) -> tuple[int, int]:
+    """(conditionals, while loops) of a (closed) jaxpr and its sub-jaxprs on `platform`."""
+    conditionals = loops = 0
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        subs = _sub_jaxprs(eqn)
+        if eqn.primitive.name == "cond":
+            platforms = eqn.params.get("branches_platforms")
+            if platforms is None:
+                conditionals += 1
+            else:
+                subs = [_platform_branch(eqn.params["branches"], platforms, platform)]
+        elif eqn.primitive.name == "while":
+            loops += 1
+        for sub in subs:
+            more_conditionals, more_loops = _host_decided(sub, platform)
+            conditionals, loops = conditionals + more_conditionals, loops + more_loops
+    return conditionals, loops
+
+
+def _platform_branch(branches, platforms, platform: str):
+    """The branch of a platform-dependent cond that `platform` runs (else the default)."""
+    for branch, names in zip(branches, platforms, strict=True):
+        if names is not None and platform in names:
+            return branch
+    return branches[list(platforms).index(None)]
 
 
 def custom_call_targets(text: str) -> list[str]:
@@ -108,10 +136,17 @@ def mixed_products(jaxpr) -> list[str]:
 
 def _equations(jaxpr):
     """Every equation of a (closed) jaxpr and of the jaxprs in its equations' parameters."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
-                    yield from _equations(sub)
+        for sub in _sub_jaxprs(eqn):
+            yield from _equations(sub)
+
+
+def _sub_jaxprs(eqn) -> list:
+    """The jaxprs in an equation's parameters (a cond's branches, a loop's body, a jit's)."""
+    return [
+        sub
+        for value in eqn.params.values()
+        for sub in (value if isinstance(value, (tuple, list)) else (value,))
+        if hasattr(getattr(sub, "jaxpr", sub), "eqns")
+    ]
