@@ -206,13 +206,13 @@ def test_the_stop_scan_is_linear_in_the_text():
     assert sent == "x" * (16_000 - 4000) and not text.stopped
 
 
-@pytest.mark.parametrize("host", ["cpu", "tpu"])
+@pytest.mark.parametrize("host", ["cpu", "cuda", "tpu"])
 def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(tokenizer, host):
     # Rows of different lengths share chunks: each chunk attends over as many cache slots as
     # its longest row needs (32 or 64 here), and every row slides past the context (64). As a
-    # TPU's (or GPU's) host: chunk programs of fixed step counts (model.decoding.steps).
+    # GPU's host: chunk programs of fixed step counts (model.decoding.steps); a TPU's: not.
     with traced_for(host):
-        rows_decode_as_generate_does(tokenizer, fixed_counts=host != "cpu")
+        rows_decode_as_generate_does(tokenizer, fixed_counts=host == "cuda")
 
 
 def rows_decode_as_generate_does(tokenizer, fixed_counts: bool):

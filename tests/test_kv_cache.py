@@ -308,7 +308,7 @@ def test_generate_input_validation(gen_model, kwargs, message):
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "uncached"])
 def test_fixed_step_counts_decode_as_a_traced_count_does(gen_model, use_cache):
-    """GPUs and TPUs run chunks of a count fixed when compiling: the whole chunk, or one-step
+    """GPUs run chunks of a count fixed when compiling: the whole chunk, or one-step
     calls for a first token, a context's last slots and a stream's last tokens. They give the
     tokens of the CPU's one program over a traced count, sampled with both filters, across
     slides; jit-compiled and compiled ahead alike."""
@@ -316,7 +316,7 @@ def test_fixed_step_counts_decode_as_a_traced_count_does(gen_model, use_cache):
                   top_k=20, top_p=0.9, seed=3)  # fmt: skip
     expected = _gen(gen_model, **kwargs)
     assert not fixed_step_counts()
-    with traced_for("tpu"):  # the host code of a TPU (its attention: the CPU's here)
+    with traced_for("cuda"):  # a GPU's host code (no compute capability: XLA attention)
         assert fixed_step_counts()
         jitted = _gen(gen_model, **kwargs)
         ahead = compile_programs(gen_model, num_samples=2, use_cache=use_cache, chunk_size=CHUNK)

@@ -57,6 +57,7 @@ from model.accelerators.program_text import (
 from model.decoding.programs import DEFAULT_CHUNK_SIZE
 from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import (
+    GPU_PLATFORMS,
     cached_chunk,
     carry_layout,
     fixed_step_counts,
@@ -302,7 +303,7 @@ def lower_program(
 ) -> list[Lowering]:
     """`program` traced as each platform's host and lowered for it, then checked. Platforms
     whose hosts make the same choices share one trace (tracing is most of the cost)."""
-    results, by_attention = [], {}
+    results, by_choices = [], {}
     for platform in platforms:
         result = Lowering(program.name, platform, model_cfg.dtype)
         results.append(result)
@@ -311,8 +312,10 @@ def lower_program(
         except UsageError:  # model.attention=cudnn off an NVIDIA GPU: refused, by design
             result.attention = "n/a"
             continue
-        by_attention.setdefault(result.attention, []).append(result)
-    for attention, group in by_attention.items():
+        # What the host's Python decides: the attention, and fixed decode step counts (GPUs).
+        choices = (result.attention, platform in GPU_PLATFORMS)
+        by_choices.setdefault(choices, []).append(result)
+    for (attention, _), group in by_choices.items():
         try:
             _forget_traces_of_another_host(attention)
             with traced_as(group[0].platform):

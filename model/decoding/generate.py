@@ -15,8 +15,8 @@ How it runs (use_cache=True), with two compiled programs whose shapes never chan
   2. chunk: up to `chunk_size` decode steps in one `lax.fori_loop` (feed the pending token at
      `pos`, sample the next). The number of steps is a traced value, so the first chunk can be
      one token (time to first token), and a chunk can stop exactly where the cache fills up:
-     the host knows every position in advance, calls refill there and goes on. On GPUs and
-     TPUs the count is fixed when compiling instead (a traced one costs XLA:GPU a host round
+     the host knows every position in advance, calls refill there and goes on. On GPUs the
+     count is fixed when compiling instead (a traced one costs XLA:GPU a host round
      trip per step): a chunk program and a one-step program, called as many times as a
      shorter chunk needs (`model.decoding.steps.fixed_step_counts`).
   Both programs are compiled before the first token is returned (the first token needs

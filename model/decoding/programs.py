@@ -2,7 +2,7 @@
 (`compile_programs`) and kept on disk as executables in a `ProgramCache`, so that the next
 process skips tracing, lowering and compiling.
 
-The programs (refill and chunk, model.decoding.steps; on GPUs and TPUs a chunk of chunk_size
+The programs (refill and chunk, model.decoding.steps; on GPUs a chunk of chunk_size
 steps and one of a single step, `fixed_step_counts`) are compiled before the first token is
 returned, so crossing the context later never compiles anything, and neither does a new prompt
 length or new sampling settings.

@@ -69,10 +69,10 @@ def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
 
 def filter_unless_off(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """`filter_logits`, skipping its sort when both filters are off in every row (a per-row
-    choice under vmap would run both branches) on a CPU. Elsewhere it always filters: XLA:GPU
-    copies a `cond`'s predicate to the host and waits for it, a sync every decode step, while
-    the sort costs the device little. Both give the same logits (`filter_logits` keeps a row
-    whose filters are off as it is)."""
+    choice under vmap would run both branches), except on GPUs, where it always filters:
+    XLA:GPU copies a `cond`'s predicate to the host and waits for it, a sync every decode
+    step, while the sort costs the device little. Both give the same logits (`filter_logits`
+    keeps a row whose filters are off as it is)."""
 
     def skip_when_off(x, k, p):
         return jax.lax.cond(
@@ -80,7 +80,7 @@ def filter_unless_off(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array)
         )
 
     return jax.lax.platform_dependent(
-        logits_BxV, top_k, top_p, cpu=skip_when_off, default=filter_logits
+        logits_BxV, top_k, top_p, cuda=filter_logits, rocm=filter_logits, default=skip_when_off
     )
 
 

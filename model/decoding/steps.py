@@ -31,6 +31,7 @@ from model.network.gpt import GPT, cache_layout
 from model.network.params import sampling_device
 
 PAD_ID = -1  # what a stopped sample emits after its stop token
+GPU_PLATFORMS = ("cuda", "rocm")  # where XLA decides loops and conditionals on the host
 
 
 def window_size(block_size: int) -> int:
@@ -140,15 +141,15 @@ def run_steps(step, carry: dict, n_steps, chunk_size: int) -> tuple[dict, Any]:
 
 def fixed_step_counts() -> bool:
     """Whether decode chunks are compiled for a fixed number of steps (chunk_size, and one)
-    rather than one program taking the count as an argument: on every host but a CPU (the
-    host the model is traced for, `backend_facts`).
+    rather than one program taking the count as an argument: on a GPU's host (the host the
+    model is traced for, `backend_facts`).
 
     XLA:GPU runs a loop whose trip count it cannot read from the program by copying the loop
     condition to the host and waiting for it, every turn (so a launch returns only when the
     chunk is done, and the host's work stops overlapping the device's); a count known when
-    compiling runs without. XLA:CPU runs loops on the host anyway: there one program serves
-    every count, and a short chunk costs only its own steps."""
-    return backend_facts()[0] != "cpu"
+    compiling runs without. XLA:CPU runs loops on the host anyway, and TPUs decide them on the
+    device: there one program serves every count, and a short chunk costs only its steps."""
+    return backend_facts()[0] in GPU_PLATFORMS
 
 
 def by_fixed_counts(full: Callable, one: Callable, chunk_size: int) -> Callable:

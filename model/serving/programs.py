@@ -2,8 +2,8 @@
 
 - A decode chunk runs the first 1, 4, 16, ... rows of the batch (powers of four below the batch
   size, and the batch size: admission takes the lowest free row, so few requests stay in few
-  rows), attending over a few cache lengths per row count (`attention_lengths`). On GPUs and
-  TPUs each shape is two programs, of `chunk_steps` steps and of one (a step count known when
+  rows), attending over a few cache lengths per row count (`attention_lengths`). On GPUs each
+  shape is two programs, of `chunk_steps` steps and of one (a step count known when
   compiling: `model.decoding.steps.fixed_step_counts`); on a CPU one takes the count.
 - A prefill runs one row's prompt in pieces of 16, 32, ... tokens up to `--inference`'s refill
   window, with or without the prompt's scores (`echo` with `logprobs`).
