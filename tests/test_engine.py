@@ -212,34 +212,30 @@ def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(to
     # its longest row needs (32 or 64 here), and every row slides past the context (64). As a
     # GPU's host: chunk programs of fixed step counts (model.decoding.steps); a TPU's: not.
     with traced_for(host):
-        rows_decode_as_generate_does(tokenizer, fixed_counts=host == "cuda")
-
-
-def rows_decode_as_generate_does(tokenizer, fixed_counts: bool):
-    prompts = [prompt_of(20, 3), prompt_of(21, 30), prompt_of(22, 50)]
-    settings_of = [SamplingParams(temperature=0.0), SamplingParams(0.9, 5, 0.95, 7),
-                   SamplingParams(1.1, 0, 0.9, 8)]  # fmt: skip
-    # a chaotic model (kernel scale 3): its next token depends on the whole context
-    model = tiny_model(seed=5, kernel_scale=3.0, block_size=BLOCK)
-    engine = Engine(model, tokenizer, rows=4, queue_size=16, chunk_steps=4)
-    engine.start()
-    assert engine.programs.fixed_counts == fixed_counts
-    collects = [Collect() for _ in prompts]
-    for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
-        engine.submit(Request(ids, 90, collect, sampling=params, logprobs=0))
-    for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
-        assert collect.ended.wait(60)
-        got = np.concatenate([t["token"] for t in collect.of("tokens")])
-        expected = generate_all(
-            model, ids, max_new_tokens=90, temperature=params.temperature,
-            top_k=params.top_k, top_p=params.top_p, seed=params.seed,
-            stop_token=engine.stop_token,
-        )[0]  # fmt: skip
-        expected = expected[expected >= 0]
-        if expected[-1] == engine.stop_token:  # the engine ends there, without sending it
-            expected = expected[:-1]
-        np.testing.assert_array_equal(got, expected)
-    engine.stop()
+        prompts = [prompt_of(20, 3), prompt_of(21, 30), prompt_of(22, 50)]
+        settings_of = [SamplingParams(temperature=0.0), SamplingParams(0.9, 5, 0.95, 7),
+                       SamplingParams(1.1, 0, 0.9, 8)]  # fmt: skip
+        # a chaotic model (kernel scale 3): its next token depends on the whole context
+        model = tiny_model(seed=5, kernel_scale=3.0, block_size=BLOCK)
+        engine = Engine(model, tokenizer, rows=4, queue_size=16, chunk_steps=4)
+        engine.start()
+        assert engine.programs.fixed_counts == (host == "cuda")
+        collects = [Collect() for _ in prompts]
+        for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
+            engine.submit(Request(ids, 90, collect, sampling=params, logprobs=0))
+        for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
+            assert collect.ended.wait(60)
+            got = np.concatenate([t["token"] for t in collect.of("tokens")])
+            expected = generate_all(
+                model, ids, max_new_tokens=90, temperature=params.temperature,
+                top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+                stop_token=engine.stop_token,
+            )[0]  # fmt: skip
+            expected = expected[expected >= 0]
+            if expected[-1] == engine.stop_token:  # the engine ends there, without sending it
+                expected = expected[:-1]
+            np.testing.assert_array_equal(got, expected)
+        engine.stop()
 
 
 def test_a_chunk_leaves_free_rows_caches_as_they_were_and_decodes_busy_rows_alike(model):
