@@ -198,8 +198,7 @@ def decode_programs(cfg) -> list[Program]:
             if program is refill:
                 return refill.trace(graphdef, state, carry, scalar, scalar, scalar)
             settings = _on_device(SamplingParams().settings(None))
-            n_steps = None if fixed_step_counts() else scalar  # as this host compiles it
-            return program.trace(graphdef, state, carry, settings, n_steps, **static)
+            return program.trace(graphdef, state, carry, settings, _n_steps(scalar), **static)
 
         return trace
 
@@ -232,9 +231,8 @@ def serving_programs(cfg) -> list[Program]:
                 return take_row.trace(batch, scalar)
             settings = _on_device(batch_settings(rows))
             active = _on_device(jax.ShapeDtypeStruct((rows,), jnp.bool_))
-            n_steps = None if fixed_step_counts() else scalar  # as this host compiles it
             return batch_chunk.trace(
-                graphdef, state, batch, settings, active, n_steps,
+                graphdef, state, batch, settings, active, _n_steps(scalar),
                 chunk_size=cfg.serve.chunk_steps, rows=rows,
             )  # fmt: skip
 
@@ -242,6 +240,12 @@ def serving_programs(cfg) -> list[Program]:
 
     names = ("scored refill", "put_row", "take_row", "batch_chunk")
     return [Program(name, tracer(name), False, streamed=True) for name in names]
+
+
+def _n_steps(scalar):
+    """A chunk's step-count argument as this host compiles it: None where the count is
+    fixed (GPUs, model.decoding.steps.fixed_step_counts), else the traced scalar."""
+    return None if fixed_step_counts() else scalar
 
 
 @functools.lru_cache(maxsize=4)
