@@ -221,10 +221,22 @@ def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(to
         engine.start()
         assert engine.programs.fixed_counts == (host == "cuda")
         collects = [Collect() for _ in prompts]
+        compiled = []  # serving compiles nothing: start-up compiled every program it runs
+
+        def listener(name, *args, **kwargs):
+            if name == "/jax/core/compile/backend_compile_duration":
+                compiled.append(name)
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
+                engine.submit(Request(ids, 90, collect, sampling=params, logprobs=0))
+            for collect in collects:
+                assert collect.ended.wait(60)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        assert compiled == []
         for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
-            engine.submit(Request(ids, 90, collect, sampling=params, logprobs=0))
-        for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
-            assert collect.ended.wait(60)
             got = np.concatenate([t["token"] for t in collect.of("tokens")])
             expected = generate_all(
                 model, ids, max_new_tokens=90, temperature=params.temperature,

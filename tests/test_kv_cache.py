@@ -201,20 +201,39 @@ def _compiles_around_first_chunk(stream) -> tuple[list[str], list[str], list[np.
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
 def test_no_compilation_after_the_first_token(use_cache):
-    """What a run needs is compiled before its first token: crossing the context later (three
-    times here) compiles nothing, and a second prompt of another length compiles nothing."""
+    """What a jit-compiled run needs is compiled before its first token: crossing the context
+    later (three times here) compiles nothing, and a second prompt of another length compiles
+    nothing. (With one program over a traced count, as on a CPU or a TPU; a GPU's full-chunk
+    program is compiled at its first full chunk, unless compiled ahead: the test below.)"""
     # A model of its own (4 heads): no other test compiles its programs, so this run must.
     model = tiny_model(seed=3, block_size=GEN_BLOCK, n_layer=1, n_head=4, position="rope")
     # Weights committed to the device, as a loaded checkpoint's are.
     nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
     kwargs = dict(max_new_tokens=3 * GEN_BLOCK, chunk_size=CHUNK, use_cache=use_cache, top_k=3)
-    before, after, rest = _compiles_around_first_chunk(generate(model, PROMPT, **kwargs))
-    assert COMPILE_EVENT in before
-    assert after == []
-    assert sum(c.shape[1] for c in rest) == 3 * GEN_BLOCK - 1
-    prompt = list(range(1, 12))  # another length, more than half the context
-    before, after, _ = _compiles_around_first_chunk(generate(model, prompt, **kwargs))
+    with traced_for("cpu"):
+        before, after, rest = _compiles_around_first_chunk(generate(model, PROMPT, **kwargs))
+        assert COMPILE_EVENT in before
+        assert after == []
+        assert sum(c.shape[1] for c in rest) == 3 * GEN_BLOCK - 1
+        prompt = list(range(1, 12))  # another length, more than half the context
+        before, after, _ = _compiles_around_first_chunk(generate(model, prompt, **kwargs))
+        assert before == after == []
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+def test_fixed_step_counts_compile_nothing_while_streaming(gen_model, use_cache):
+    """On a GPU's host, a chunk cut short (a first token, the context's last slots, the
+    stream's last tokens) is one-step programs whose outputs are joined on the host: joined on
+    the device, each new count compiled a program while streaming (tenths of a second each on
+    a GPU). The programs compiled ahead (as the CLI and the server run them) are all it runs."""
+    kwargs = dict(max_new_tokens=3 * GEN_BLOCK + 5, chunk_size=CHUNK, use_cache=use_cache)
+    with traced_for("cuda"):
+        ahead = compile_programs(gen_model, num_samples=1, use_cache=use_cache, chunk_size=CHUNK)
+        stream = generate(gen_model, PROMPT, programs=ahead, top_k=3, **kwargs)
+        before, after, rest = _compiles_around_first_chunk(stream)
     assert before == after == []
+    assert {c.shape[1] for c in rest} > {CHUNK}  # short chunks of several lengths
+    assert sum(c.shape[1] for c in rest) == 3 * GEN_BLOCK + 4
 
 
 def test_same_seed_same_output_different_seed_different(gen_model):
@@ -314,8 +333,9 @@ def test_fixed_step_counts_decode_as_a_traced_count_does(gen_model, use_cache):
     slides; jit-compiled and compiled ahead alike."""
     kwargs = dict(max_new_tokens=3 * GEN_BLOCK + 5, use_cache=use_cache, temperature=1.0,
                   top_k=20, top_p=0.9, seed=3)  # fmt: skip
-    expected = _gen(gen_model, **kwargs)
-    assert not fixed_step_counts()
+    with traced_for("cpu"):  # one program over a traced count, whatever this host is
+        assert not fixed_step_counts()
+        expected = _gen(gen_model, **kwargs)
     with traced_for("cuda"):  # a GPU's host code (no compute capability: XLA attention)
         assert fixed_step_counts()
         jitted = _gen(gen_model, **kwargs)

@@ -18,10 +18,11 @@ How it runs (use_cache=True), with two compiled programs whose shapes never chan
      the host knows every position in advance, calls refill there and goes on. On GPUs the
      count is fixed when compiling instead (a traced one costs XLA:GPU a host round
      trip per step): a chunk program and a one-step program, called as many times as a
-     shorter chunk needs (`model.decoding.steps.fixed_step_counts`).
+     shorter chunk needs, its outputs joined on the host (`model.decoding.steps`).
   Both programs are compiled before the first token is returned (the first token needs
   both), so crossing the context later never compiles anything, and neither does a new prompt
-  length or new sampling settings. `generate` alone jit-compiles them at their first call;
+  length or new sampling settings. `generate` alone jit-compiles them at their first call
+  (on a GPU, the full-chunk program at the first full chunk, after the first token);
   `compile_programs` (model.decoding.programs) compiles them ahead, side by side, and with a
   `ProgramCache` keeps them on disk as executables, so that the next process skips tracing
   and compiling (the CLI).
@@ -60,7 +61,7 @@ from flax import nnx
 from model.decoding.budget import check_memory
 from model.decoding.programs import DEFAULT_CHUNK_SIZE, DecodePrograms, jit_programs
 from model.decoding.sampling_params import SamplingParams
-from model.decoding.steps import PAD_ID, start_carry, window_size
+from model.decoding.steps import PAD_ID, chunk_outputs, start_carry, window_size
 from model.network.gpt import GPT
 from plumbing.errors import UsageError
 
@@ -163,7 +164,7 @@ def _stream(
         carry, tokens_BxC = programs.chunk(state, carry, settings, np.int32(steps))
         for _ in range(steps):  # the uncached step slides as the cached host loop does
             pos = (window - 1 if pos == size else pos) + 1
-        tokens_BxC = np.asarray(tokens_BxC)[:, :steps]  # waits for this chunk: the stream point
+        tokens_BxC = chunk_outputs(tokens_BxC)[:, :steps]  # waits for this chunk: the stream point
         if stop_token is not None:
             stopped_BxC = np.cumsum(tokens_BxC == stop_token, axis=1) > 0
             # columns after the one where the last sample stopped carry only padding

@@ -156,7 +156,9 @@ def by_fixed_counts(full: Callable, one: Callable, chunk_size: int) -> Callable:
     """A chunk callable `(*args, n_steps) -> (carry, out)` made of two programs compiled for
     fixed counts (their n_steps argument None): `full` runs chunk_size steps, `one` a single
     step. n_steps = chunk_size calls `full`; fewer call `one` n_steps times (a first token, a
-    context's last few slots) and join their outputs, [B, n_steps, ...]."""
+    context's last few slots). Then `out` is the list of the steps' outputs, which
+    `chunk_outputs` joins on the host: a join on the device compiled a program per count and
+    row count at its first use (tenths of a second each on a GPU, paid while serving)."""
 
     def run(state, carry, *args):
         *args, n_steps = args
@@ -169,11 +171,18 @@ def by_fixed_counts(full: Callable, one: Callable, chunk_size: int) -> Callable:
         for _ in range(n_steps):
             carry, out = one(state, carry, *args, None)
             outs.append(out)
-        if n_steps == 1:  # a first token's chunk, the common case: nothing to join
-            return carry, outs[0]
-        return carry, jax.tree.map(lambda *cols: jnp.concatenate(cols, axis=1), *outs)
+        return carry, outs
 
     return run
+
+
+def chunk_outputs(out) -> Any:
+    """A chunk's outputs on the host, each leaf [B, columns, ...]: one program's outputs, or
+    the per-step outputs of `by_fixed_counts` (a list), joined here. Waits for the chunk."""
+    out = jax.device_get(out)
+    if not isinstance(out, list):
+        return out
+    return jax.tree.map(lambda *cols: np.concatenate(cols, axis=1), *out)
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",), donate_argnums=2)

@@ -45,7 +45,7 @@ from flax import nnx
 from model.decoding.budget import check_memory
 from model.decoding.generate import prefill_pieces
 from model.decoding.prompts import stop_token_of
-from model.decoding.steps import PAD_ID, start_carry, window_size
+from model.decoding.steps import PAD_ID, chunk_outputs, start_carry, window_size
 from model.network.gpt import GPT
 from model.network.params import sampling_device
 from model.serving.batch import batch_settings, empty_batch, put_row, set_row_settings, take_row
@@ -218,7 +218,7 @@ class Engine:
     def _deliver_chunk(self, chunk: Launched) -> None:
         """Hand each request of a finished chunk its tokens. A request that ended in the chunk
         before has been released since (its row ran one chunk more, for nothing): skipped."""
-        out = {k: v[:, : chunk.steps] for k, v in jax.device_get(chunk.out).items()}
+        out = {k: v[:, : chunk.steps] for k, v in chunk_outputs(chunk.out).items()}
         for slot, request in chunk.requests.items():
             if self.slots[slot] is request:
                 self._guarded(slot, self._deliver, slot, out)
