@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--repeats must be >= 1")
 
     with one_line_errors("bench_engine"):
+        from model.processes.cpu_kernels import configure_cpu_kernels
+
+        configure_cpu_kernels()  # as `--serve` does, before JAX starts its backend
         import jax
 
         from model.rundir.trained import load_for_sampling
