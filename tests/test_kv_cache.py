@@ -5,6 +5,7 @@ token, chunking, argument checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -14,7 +15,7 @@ import pytest
 from flax import nnx
 
 from model.decoding.generate import generate, generate_all
-from model.decoding.programs import compile_programs
+from model.decoding.programs import compile_programs, jit_programs
 from model.decoding.sampling import sample_logits, sampling_params
 from model.decoding.steps import PAD_ID, fixed_step_counts
 from model.network.attention import traced_for
@@ -234,6 +235,27 @@ def test_fixed_step_counts_compile_nothing_while_streaming(gen_model, use_cache)
     assert before == after == []
     assert {c.shape[1] for c in rest} > {CHUNK}  # short chunks of several lengths
     assert sum(c.shape[1] for c in rest) == 3 * GEN_BLOCK + 4
+
+
+def test_the_next_chunk_is_launched_before_a_chunk_is_handed_out(gen_model):
+    """The stream launches chunk i + 1 before it fetches chunk i (so the host's work on a
+    chunk overlaps the device's next one), and launches nothing past the last."""
+    programs = jit_programs(gen_model, use_cache=True, chunk_size=CHUNK)
+    launched = []
+
+    def chunk(*args):
+        launched.append(args[-1])
+        return programs.chunk(*args)
+
+    counting = dataclasses.replace(programs, chunk=chunk)
+    kwargs = dict(max_new_tokens=20, chunk_size=CHUNK, programs=counting, temperature=0.0)
+    stream = generate(gen_model, PROMPT, **kwargs)
+    seen = [(len(launched), c.shape[1]) for c in stream]
+    # chunks of 1, 8, 3 (the context fills at 16) and 8 tokens: 20 in all
+    assert seen == [(2, 1), (3, 8), (4, 3), (4, 8)]
+    assert [int(n) for n in launched] == [1, 8, 3, 8]
+    again = generate_all(gen_model, PROMPT, **kwargs)
+    np.testing.assert_array_equal(again, _gen(gen_model, num_samples=1, temperature=0.0))
 
 
 def test_same_seed_same_output_different_seed_different(gen_model):

@@ -19,6 +19,8 @@ How it runs (use_cache=True), with two compiled programs whose shapes never chan
      count is fixed when compiling instead (a traced one costs XLA:GPU a host round
      trip per step): a chunk program and a one-step program, called as many times as a
      shorter chunk needs, its outputs joined on the host (`model.decoding.steps`).
+  Each chunk is launched before the one before it is fetched, so the host's work (fetching a
+  chunk, the caller's printing) overlaps the device's next chunk, as in the serving engine.
   Both programs are compiled before the first token is returned (the first token needs
   both), so crossing the context later never compiles anything, and neither does a new prompt
   length or new sampling settings. `generate` alone jit-compiles them at their first call
@@ -150,30 +152,45 @@ def _stream(
     if use_cache:
         carry = refill_pieces(programs.refill, state, carry, shift=0, keep=pos, window=window)
 
-    produced = 0
-    while produced < max_new_tokens:
-        steps = min(chunk_size if produced else 1, max_new_tokens - produced)
-        if use_cache:
-            if pos == size:  # the cache is full: keep the last `window` tokens, pending included
-                keep = window - 1
-                carry = refill_pieces(
-                    programs.refill, state, carry, shift=size - keep, keep=keep, window=window
-                )
-                pos = keep
-            steps = min(steps, size - pos)
-        carry, tokens_BxC = programs.chunk(state, carry, settings, np.int32(steps))
-        for _ in range(steps):  # the uncached step slides as the cached host loop does
-            pos = (window - 1 if pos == size else pos) + 1
-        tokens_BxC = chunk_outputs(tokens_BxC)[:, :steps]  # waits for this chunk: the stream point
-        if stop_token is not None:
-            stopped_BxC = np.cumsum(tokens_BxC == stop_token, axis=1) > 0
-            # columns after the one where the last sample stopped carry only padding
-            all_done = np.flatnonzero(np.all(stopped_BxC | (tokens_BxC == PAD_ID), axis=0))
-            if all_done.size:
-                yield tokens_BxC[:, : all_done[0] + 1]
+    # Each chunk is launched before the one before it is fetched: the host's work on a chunk
+    # (fetching it, and whatever the caller does with it) overlaps the device's next chunk.
+    produced, launched = 0, None
+    while launched is not None or produced < max_new_tokens:
+        ahead = None
+        if produced < max_new_tokens:
+            steps = min(chunk_size if produced else 1, max_new_tokens - produced)
+            if use_cache:
+                if pos == size:  # the cache is full: keep the last `window` tokens, pending too
+                    keep = window - 1
+                    carry = refill_pieces(
+                        programs.refill, state, carry, shift=size - keep, keep=keep, window=window
+                    )
+                    pos = keep
+                steps = min(steps, size - pos)
+            carry, out = programs.chunk(state, carry, settings, np.int32(steps))
+            for _ in range(steps):  # the uncached step slides as the cached host loop does
+                pos = (window - 1 if pos == size else pos) + 1
+            ahead, produced = (out, steps), produced + steps
+        if launched is not None:
+            tokens_BxC, finished = _fetched(*launched, stop_token)
+            yield tokens_BxC
+            if finished:
                 return
-        produced += steps
-        yield tokens_BxC
+        launched = ahead
+
+
+def _fetched(out, steps: int, stop_token: int | None) -> tuple[np.ndarray, bool]:
+    """A launched chunk's tokens on the host (waiting for it: the stream point), [B, steps],
+    and whether every sample has stopped: then cut after the column where the last stopped."""
+    tokens_BxC = chunk_outputs(out)[:, :steps]
+    if stop_token is None:
+        return tokens_BxC, False
+    stopped_BxC = np.cumsum(tokens_BxC == stop_token, axis=1) > 0
+    # columns after the one where the last sample stopped carry only padding
+    all_done = np.flatnonzero(np.all(stopped_BxC | (tokens_BxC == PAD_ID), axis=0))
+    if all_done.size:
+        return tokens_BxC[:, : all_done[0] + 1], True
+    return tokens_BxC, False
 
 
 def refill_pieces(refill, state, carry, *, shift: int, keep: int, window: int) -> dict:
