@@ -6,8 +6,8 @@ it. Two tables follow:
 - Waves: for each client count C, C requests submitted at once (seed i, temperature 0.8,
   `--max-tokens` each, one shared `--prompt`), medians over `--repeats` rounds of the generated
   tokens/s (from the engine's own `tokens_served`) and of the engine thread's time per
-  generated token, split by what it does: launching chunks (returns when the chunk is queued
-  on a CPU; on a GPU it returns when the chunk is done, see docs/serving.md), delivering the
+  generated token, split by what it does: launching chunks (returns when the chunk is queued;
+  on a GPU once the step counts were fixed, see docs/serving.md), delivering the
   previous chunk (waiting for it, then handing out text), admitting requests (their prompts'
   prefill).
 - Chunks: each compiled decode chunk alone (`--chunk-steps` steps), per row count at its
