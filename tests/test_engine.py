@@ -21,6 +21,7 @@ from model.serving.engine import Engine
 from model.serving.requests import EngineStopping, QueueFull, Request
 from model.serving.text import StopText
 from plumbing.errors import UsageError
+from tests.jax_events import COMPILE_EVENT, jax_events
 from tests.tiny_models import forward, tiny_model
 from tokenizer import CharTokenizer
 
@@ -221,20 +222,12 @@ def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(to
         engine.start()
         assert engine.programs.fixed_counts == (host == "cuda")
         collects = [Collect() for _ in prompts]
-        compiled = []  # serving compiles nothing: start-up compiled every program it runs
-
-        def listener(name, *args, **kwargs):
-            if name == "/jax/core/compile/backend_compile_duration":
-                compiled.append(name)
-
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        try:
+        # serving compiles nothing: start-up compiled every program it runs
+        with jax_events(COMPILE_EVENT) as compiled:
             for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
                 engine.submit(Request(ids, 90, collect, sampling=params, logprobs=0))
             for collect in collects:
                 assert collect.ended.wait(60)
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
         assert compiled == []
         for ids, params, collect in zip(prompts, settings_of, collects, strict=True):
             got = np.concatenate([t["token"] for t in collect.of("tokens")])

@@ -20,6 +20,7 @@ from model.decoding.sampling import sample_logits, sampling_params
 from model.decoding.steps import PAD_ID, fixed_step_counts
 from model.network.attention import traced_for
 from plumbing.errors import UsageError
+from tests.jax_events import COMPILE_EVENT, TRACE_EVENT, jax_events
 from tests.tiny_models import forward, random_tokens, tiny_model
 
 # Every option of position, norm and MLP appears; each variant costs a few seconds of compiling.
@@ -176,26 +177,12 @@ def test_prompt_longer_than_context_is_refused(gen_model):
     assert full.shape == (2, 4)  # a prompt that fills the context exactly is fine
 
 
-# jax.monitoring events: a jit cache miss traces (first event), a new program compiles (second)
-TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
 def _compiles_around_first_chunk(stream) -> tuple[list[str], list[str], list[np.ndarray]]:
     """(events before the first chunk, events after it, the later chunks) of a stream."""
-    events = []
-
-    def listener(name, *args, **kwargs):
-        if name in (TRACE_EVENT, COMPILE_EVENT):
-            events.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with jax_events(TRACE_EVENT, COMPILE_EVENT) as events:
         first = next(stream)
         before = list(events)
         rest = list(stream)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert first.shape[1] == 1  # the first chunk is the first token
     return before, events[len(before) :], rest
 

@@ -55,9 +55,9 @@ from model.accelerators.program_text import (
     mixed_products,
 )
 from model.decoding.programs import DEFAULT_CHUNK_SIZE
+from model.decoding.sampling import GPU_PLATFORMS
 from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import (
-    GPU_PLATFORMS,
     cached_chunk,
     carry_layout,
     fixed_step_counts,

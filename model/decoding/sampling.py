@@ -18,6 +18,8 @@ import jax.numpy as jnp
 
 from model.decoding.sampling_params import check_sampling
 
+GPU_PLATFORMS = ("cuda", "rocm")  # where XLA decides loops and conditionals on the host
+
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
@@ -80,7 +82,11 @@ def filter_unless_off(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array)
         )
 
     return jax.lax.platform_dependent(
-        logits_BxV, top_k, top_p, cuda=filter_logits, rocm=filter_logits, default=skip_when_off
+        logits_BxV,
+        top_k,
+        top_p,
+        default=skip_when_off,
+        **dict.fromkeys(GPU_PLATFORMS, filter_logits),
     )
 
 

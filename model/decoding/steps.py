@@ -24,14 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.decoding.sampling import sample_logits, token_scores
+from model.decoding.sampling import GPU_PLATFORMS, sample_logits, token_scores
 from model.network.attention import backend_facts
 from model.network.config import ModelConfig
 from model.network.gpt import GPT, cache_layout
 from model.network.params import sampling_device
 
 PAD_ID = -1  # what a stopped sample emits after its stop token
-GPU_PLATFORMS = ("cuda", "rocm")  # where XLA decides loops and conditionals on the host
 
 
 def window_size(block_size: int) -> int:
