@@ -354,6 +354,28 @@ def test_fixed_step_counts_decode_as_a_traced_count_does(gen_model, use_cache):
     np.testing.assert_array_equal(compiled, expected)
 
 
+def test_a_serving_chunk_writes_each_rows_entries_at_its_start_and_nothing_else():
+    """A serving chunk's keys go into the cache at its end (`write_window`): row r's first
+    count[r] entries at slots start[r].., also where the chunk's window would pass the
+    cache's end; every other slot, and every row past the chunk's rows, keeps its value."""
+    from model.network.attention import write_window
+
+    rng = np.random.default_rng(0)
+    b, h, s, d, c = 6, 2, 12, 3, 4
+    slots = rng.normal(size=(b, h, s, d)).astype(np.float32)
+    recent = rng.normal(size=(4, h, c, d)).astype(np.float32)
+    start = np.array([0, 5, 10, 11], np.int32)  # the last two's windows pass the end
+    count = np.array([4, 0, 2, 1], np.int32)  # row 1 is free: it writes nothing
+    expected = slots.copy()
+    for row in range(4):
+        expected[row, :, start[row] : start[row] + count[row]] = recent[row, :, : count[row]]
+    np.testing.assert_array_equal(jax.jit(write_window)(slots, recent, start, count), expected)
+    # A GPU's program writes the windows by one scatter (write_cache, tested below), no loop.
+    cuda = jax.jit(write_window).trace(slots, recent, start, count)
+    text = cuda.lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.scatter" in text and "stablehlo.while" not in text
+
+
 @pytest.mark.parametrize("t", [1, 3])
 def test_a_batch_writes_its_rows_alike_by_loop_and_by_scatter(t):
     """A serving batch writes each row's keys at its own position: by in-place slice writes in

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import math
 
 import jax
@@ -47,7 +48,9 @@ from model.network.rope import apply_rope
 from model.network.value_embed import ValueEmbedding
 from plumbing.errors import UsageError
 
-LayerCache = dict[str, jax.Array]  # {"k": [B, S, H, Dh], "v": [B, S, H, Dh]}
+# {"k": [B, H, S, Dh], "v": ...}; in a serving chunk's steps also "recent_k", "recent_v"
+# ([B, H, C, Dh], the chunk's own) and "at" (the step), see `write_recent`
+LayerCache = dict[str, jax.Array]
 
 CUDNN_MIN_COMPUTE_CAPABILITY = (8, 0)
 CUDNN_MAX_HEAD_DIM = 128
@@ -73,22 +76,32 @@ def attend(
 
     k and v are [B, S, H, D], or [B, H, S, D] with `heads_first` (the KV cache's layout: one
     head's keys are contiguous, so a decode step's products read the cache as it lies instead
-    of transposing all of it first). mask_TxS ([T, S], or [B, T, S]: a mask per row) is True
-    where query t may attend to key s.
+    of transposing all of it first); or tuples of such parts, whose keys are attended as if
+    concatenated along S without copying them into one array (a serving chunk: the cache and
+    the chunk's own keys). mask_TxS ([T, S], or [B, T, S]: a mask per row; S all parts' keys)
+    is True where query t may attend to key s.
     """
     kv = "bhsd" if heads_first else "bshd"
+    k_parts, v_parts = (k, v) if isinstance(k, tuple) else ((k,), (v,))
     scale = 1.0 / math.sqrt(q_BxTxHxD.shape[-1])
-    scores_BxHxTxS = jnp.einsum(
-        f"bthd,{kv}->bhts", q_BxTxHxD, k, preferred_element_type=jnp.float32,
-        precision=mixed_product_precision(q_BxTxHxD.dtype),  # bf16 in the backward too
-    )  # fmt: skip
+    scores_BxHxTxS = jnp.concatenate([
+        jnp.einsum(
+            f"bthd,{kv}->bhts", q_BxTxHxD, part, preferred_element_type=jnp.float32,
+            precision=mixed_product_precision(q_BxTxHxD.dtype),  # bf16 in the backward too
+        ) for part in k_parts
+    ], axis=-1)  # fmt: skip
     mask_BxTxS = mask_TxS if mask_TxS.ndim == 3 else mask_TxS[None]
     scores_BxHxTxS = jnp.where(mask_BxTxS[:, None], scores_BxHxTxS * scale, _MASKED)
     probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1)
     if dropout is not None:
         probs_BxHxTxS = dropout(probs_BxHxTxS, deterministic=deterministic, rngs=rngs)
-    probs_BxHxTxS = probs_BxHxTxS.astype(v.dtype)
-    return jnp.einsum(f"bhts,{kv}->bthd", probs_BxHxTxS, v)
+    probs_BxHxTxS = probs_BxHxTxS.astype(v_parts[0].dtype)
+    ends = list(itertools.accumulate(part.shape[2 if heads_first else 1] for part in v_parts))
+    probs_parts = jnp.split(probs_BxHxTxS, ends[:-1], axis=-1)
+    return sum(
+        jnp.einsum(f"bhts,{kv}->bthd", probs, part)
+        for probs, part in zip(probs_parts, v_parts, strict=True)
+    )
 
 
 def choose_implementation(
@@ -218,12 +231,13 @@ def position_mask(query_pos_BxT: jax.Array, num_keys: int) -> jax.Array:
 
 def write_cache(slots_BxHxSxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT) -> jax.Array:
     """The cache with this call's keys (or values) written at their positions: one slice
-    write when every row is at the same position ([1, T] positions); else (a serving batch,
-    [B, 1]) a write per row, whose form depends on the platform (`jax.lax.platform_dependent`,
-    chosen when the program is lowered): on a CPU, in-place slice writes in a loop, which
-    XLA:CPU runs faster than a scatter; elsewhere one scatter, since each turn of a loop costs
-    a GPU a round trip to the host (on an H100, a 16-row decode step of an 11M model took
-    1.9-2.3 ms with the loop, 0.33-0.38 ms with the scatter, as one row's step does)."""
+    write when every row is at the same position ([1, T] positions); else (a serving chunk's
+    keys at its end, [B, 1]) a write per row, whose form depends on the platform
+    (`jax.lax.platform_dependent`, chosen when the program is lowered): on a CPU, in-place
+    slice writes in a loop, which XLA:CPU runs faster than a scatter; elsewhere one scatter,
+    since each turn of a loop costs a GPU a round trip to the host (on an H100, when every
+    step wrote this way, a 16-row decode step of an 11M model took 1.9-2.3 ms with the loop,
+    0.33-0.38 ms with the scatter, as one row's step does)."""
     new_BxHxTxD = new_BxTxHxD.transpose(0, 2, 1, 3).astype(slots_BxHxSxD.dtype)
     if positions_BxT.shape[0] == 1:
         return jax.lax.dynamic_update_slice(
@@ -232,6 +246,43 @@ def write_cache(slots_BxHxSxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT)
     return jax.lax.platform_dependent(
         slots_BxHxSxD, new_BxHxTxD, positions_BxT, cpu=write_rows_in_loop, default=scatter_rows
     )
+
+
+def write_recent(recent_BxHxCxD: jax.Array, new_Bx1xHxD: jax.Array, at) -> jax.Array:
+    """A serving chunk's buffer of its own keys (or values) with this step's written at slot
+    `at` of every row: one slice write, where a write into the cache would be one per row."""
+    new_BxHx1xD = new_Bx1xHxD.transpose(0, 2, 1, 3).astype(recent_BxHxCxD.dtype)
+    return jax.lax.dynamic_update_slice(recent_BxHxCxD, new_BxHx1xD, (0, 0, at, 0))
+
+
+def chunk_mask(positions_Bx1: jax.Array, at, num_cached: int, num_recent: int) -> jax.Array:
+    """[B, 1, S + C] mask of step `at` of a serving chunk (`write_recent`): a row at position
+    p sees the cache's slots before its chunk began (p - at), and the chunk's keys 0..at."""
+    start_Bx1x1 = (positions_Bx1 - at)[..., None]
+    cached_Bx1xS = jnp.arange(num_cached) < start_Bx1x1
+    recent_C = jnp.arange(num_recent) <= at
+    recent_Bx1xC = jnp.broadcast_to(recent_C, (*start_Bx1x1.shape[:2], num_recent))
+    return jnp.concatenate([cached_Bx1xS, recent_Bx1xC], axis=-1)
+
+
+def write_window(
+    slots_BxHxSxD: jax.Array, recent_RxHxCxD: jax.Array, start_R: jax.Array, count_R: jax.Array
+) -> jax.Array:
+    """The cache with a serving chunk's keys (or values) written in, at the end of the chunk:
+    row r's first count_R[r] entries at slots start_R[r].. (rows past R untouched).
+    Each row writes one window of C slots, moved left where it would pass the cache's end
+    (the host keeps every valid slot inside); slots of the window without a valid entry keep
+    what they held."""
+    r, _, c, _ = recent_RxHxCxD.shape
+    window_R = jnp.minimum(start_R, slots_BxHxSxD.shape[2] - c)
+    slot_RxC = window_R[:, None] + jnp.arange(c)
+    index_RxC = slot_RxC - start_R[:, None]  # which entry of the chunk lands on each slot
+    keep_RxC = (index_RxC >= 0) & (index_RxC < count_R[:, None])
+    old_RxCxHxD = slots_BxHxSxD[jnp.arange(r)[:, None], :, slot_RxC, :]
+    index_Rx1xCx1 = jnp.clip(index_RxC, 0, c - 1)[:, None, :, None]
+    new_RxCxHxD = jnp.take_along_axis(recent_RxHxCxD, index_Rx1xCx1, axis=2).transpose(0, 2, 1, 3)
+    window_RxCxHxD = jnp.where(keep_RxC[..., None, None], new_RxCxHxD, old_RxCxHxD)
+    return write_cache(slots_BxHxSxD, window_RxCxHxD, window_R[:, None])
 
 
 def write_rows_in_loop(slots_BxHxSxD, new_BxHxTxD, positions_BxT) -> jax.Array:
@@ -308,8 +359,10 @@ class CausalSelfAttention(nnx.Module):
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
-        """Attend; with a cache, write this call's k/v at positions_T[0] and attend over it.
-        tokens_BxT: the ids of this call's tokens (needed with a value embedding).
+        """Attend; with a cache, write this call's k/v at positions_T[0] and attend over it
+        (in a serving chunk's step, a cache with a buffer of the chunk's own keys: write them
+        there, see `write_recent`). tokens_BxT: the ids of this call's tokens (needed with a
+        value embedding).
 
         positions_BxT are the absolute positions of the T tokens (consecutive), [1, T] for
         every row alike or [B, 1] for a position per row (a serving batch's decode step). The
@@ -340,6 +393,16 @@ class CausalSelfAttention(nnx.Module):
         if cache is None:
             new_cache = None
             y_BxTxHxD = self._attend_causal(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, deterministic, rngs)
+        elif "recent_k" in cache:  # a step of a serving chunk: the cache is only read
+            new_cache = {
+                **cache,
+                "recent_k": write_recent(cache["recent_k"], k_BxTxHxD, cache["at"]),
+                "recent_v": write_recent(cache["recent_v"], v_BxTxHxD, cache["at"]),
+            }
+            keys = (cache["k"], new_cache["recent_k"])
+            values = (cache["v"], new_cache["recent_v"])
+            mask = chunk_mask(positions_BxT, cache["at"], cache["k"].shape[2], keys[1].shape[2])
+            y_BxTxHxD = attend(q_BxTxHxD, keys, values, mask, heads_first=True)
         else:
             keys = write_cache(cache["k"], k_BxTxHxD, positions_BxT)
             values = write_cache(cache["v"], v_BxTxHxD, positions_BxT)

@@ -31,7 +31,7 @@ from model.network.loss import multi_token_losses
 from model.network.precision import matmul_precision, mixed_product_precision
 from plumbing.errors import UsageError
 
-KVCache = list[LayerCache]  # one {"k", "v"} dict per layer, each [B, S, H, Dh]
+KVCache = list[LayerCache]  # one {"k", "v"} dict per layer, each [B, H, S, Dh]
 
 
 class Block(nnx.Module):

@@ -8,14 +8,17 @@ into the cache on its own, through `--inference`'s one prefill program (model.de
 the batch (`put_row`); a row whose context is full is taken out (`take_row`), slid by the
 same program and put back. So a request sees the context policy of `--inference`.
 
-The decode step (`batch_chunk`) runs the model's cached decode with a position per row: every
-row writes its k/v at its own position (a slice write per row, not a scatter) and attends
-over its own cache slots, only as many as the longest row needs (`length`), and samples
-with its own settings and key (`fold_in(key(seed), step)`, as `--inference` does). Free
-slots among the rows run are masked by `active` (what they write is dropped at the chunk's
-end, so a free row's kept prompt stays); a chunk runs only the first rows, as many as the
-highest busy slot needs (1, 4 or 16 of 16). Each row count and length is its own
-compiled program, all compiled at start-up.
+The decode steps (`batch_chunk`) run the model's cached decode with a position per row. The
+cache is only read during a chunk: each row attends over its own slots before the chunk
+(only as many as the longest row needs, `length`) and over the chunk's own keys and values,
+which every step writes into a small buffer at one index for all rows (one slice write,
+where writing into the cache at each row's position took a write per row and layer every
+step); the buffer goes into the cache once, at the chunk's end (`write_window`). Each row
+samples with its own settings and key (`fold_in(key(seed), step)`, as `--inference` does).
+Free slots among the rows run are masked by `active` (nothing of theirs is written, so a
+free row's kept prompt stays); a chunk runs only the first rows, as many as the highest busy
+slot needs (1, 4 or 16 of 16). Each row count and length is its own compiled program, all
+compiled at start-up.
 
     >>> batch = empty_batch(model, rows=4)                           # doctest: +SKIP
     >>> batch = put_row(batch, row_carry, np.int32(2))  # doctest: +SKIP
@@ -37,8 +40,9 @@ from flax import nnx
 from model.decoding.sampling import sample_logits, token_scores
 from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import PAD_ID, carry_layout, run_steps, zeros_like_layout
+from model.network.attention import write_window
 from model.network.config import ModelConfig
-from model.network.gpt import GPT
+from model.network.gpt import GPT, cache_layout
 from model.network.params import sampling_device
 
 ROW_FIELDS = ("cache", "ctx", "pending", "done")  # [1, ...] in a row carry, [B, ...] here
@@ -152,21 +156,29 @@ def batch_chunk(
     "top_ids"/"top_logprobs" [rows, chunk_size, 5])."""
     model = nnx.merge(graphdef, state)
     length = length or model.cfg.block_size
-    head = jax.tree_util.tree_map(lambda x: x[:rows], {**batch, "cache": None})
-    head["cache"] = jax.tree_util.tree_map(lambda x: x[:rows, :, :length], batch["cache"])
+    head = {name: x[:rows] for name, x in batch.items() if name != "cache"}
     settings = jax.tree_util.tree_map(lambda x: x[:rows], settings)
     active_B = active_B[:rows]
-
-    # A free row runs too, at the last slot run: a position past them (a finished row's) would
-    # give NaNs. What it writes there is dropped below (its kept prompt prefix stays).
-    last = length - 1
+    # The cache is only read during the chunk (these rows' first `length` slots); each step's
+    # keys and values go to a buffer of the chunk's own (`recent`), written in at its end.
+    cached = jax.tree_util.tree_map(lambda x: x[:rows, :, :length], batch["cache"])
+    recent_layout = cache_layout(model.cfg, rows, chunk_size)
+    head["recent"] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), recent_layout)
+    head["at"] = jnp.int32(0)
+    start_B = head["pos"]
 
     def step(c):
-        pos_B = jnp.where(active_B, c["pos"], last)
-        logits_Bx1xV, cache = model.decode(c["pending"][:, None], c["cache"], pos_B)
+        # A free row runs from slot 0 of the buffer and sees nothing of the cache (positions
+        # past its kept prompt could give NaNs); what it computes is dropped.
+        pos_B = jnp.where(active_B, c["pos"], c["at"])
+        layers = [
+            {**kv, "recent_k": recent["k"], "recent_v": recent["v"], "at": c["at"]}
+            for kv, recent in zip(cached, c["recent"], strict=True)
+        ]
+        logits_Bx1xV, layers = model.decode(c["pending"][:, None], layers, pos_B)
         logits_BxV = logits_Bx1xV[:, 0]
-        at_BxS = jnp.arange(c["ctx"].shape[1]) == pos_B[:, None]  # a select, not a scatter
-        ctx = jnp.where(at_BxS, c["pending"][:, None], c["ctx"])
+        at_BxS = (jnp.arange(c["ctx"].shape[1]) == pos_B[:, None]) & active_B[:, None]
+        ctx = jnp.where(at_BxS, c["pending"][:, None], c["ctx"])  # a select, not a scatter
         keys_B = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
             settings["seed"], c["step"]
         )
@@ -178,7 +190,8 @@ def batch_chunk(
         emitted_B = jnp.where(live_B, token_B, PAD_ID)
         advance_B = active_B.astype(jnp.int32)
         c = {
-            "cache": cache,
+            "recent": [{"k": layer["recent_k"], "v": layer["recent_v"]} for layer in layers],
+            "at": c["at"] + 1,
             "ctx": ctx,
             "pos": c["pos"] + advance_B,
             "pending": jnp.where(active_B, token_B, c["pending"]),
@@ -187,21 +200,16 @@ def batch_chunk(
         }
         return c, {"token": emitted_B, **scores}
 
-    # A free row writes only its last slot: that slot alone is put back afterwards (a select
-    # over the whole cache cost a few percent of a 16-row chunk).
-    last_slots = jax.tree_util.tree_map(lambda x: x[:, :, last:], head["cache"])
     head, out_R = run_steps(step, head, n_steps, chunk_size)
-    active_Rx1x1x1 = active_B[:, None, None, None]
-    head["cache"] = jax.tree_util.tree_map(
-        lambda part, before: part.at[:, :, last:].set(
-            jnp.where(active_Rx1x1x1, part[:, :, last:], before)
-        ),
-        head["cache"],
-        last_slots,
-    )
-    batch = jax.tree_util.tree_map(
-        lambda whole, part: jax.lax.dynamic_update_slice(whole, part, (0,) * whole.ndim),
-        batch,
-        head,
-    )
-    return batch, out_R
+    count_B = jnp.where(active_B, chunk_size if n_steps is None else n_steps, 0)
+    recent = head.pop("recent")
+    del head["at"]
+    out = {
+        name: jax.lax.dynamic_update_slice(batch[name], part, (0,) * part.ndim)
+        for name, part in head.items()
+    }
+    out["cache"] = [
+        {name: write_window(layer[name], part[name], start_B, count_B) for name in ("k", "v")}
+        for layer, part in zip(batch["cache"], recent, strict=True)
+    ]
+    return out, out_R
