@@ -36,6 +36,7 @@ import contextvars
 import functools
 import itertools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -96,11 +97,16 @@ def attend(
     if dropout is not None:
         probs_BxHxTxS = dropout(probs_BxHxTxS, deterministic=deterministic, rngs=rngs)
     probs_BxHxTxS = probs_BxHxTxS.astype(v_parts[0].dtype)
+    if len(v_parts) == 1:
+        return jnp.einsum(f"bhts,{kv}->bthd", probs_BxHxTxS, v)
     ends = list(itertools.accumulate(part.shape[2 if heads_first else 1] for part in v_parts))
     probs_parts = jnp.split(probs_BxHxTxS, ends[:-1], axis=-1)
-    return sum(
-        jnp.einsum(f"bhts,{kv}->bthd", probs, part)
-        for probs, part in zip(probs_parts, v_parts, strict=True)
+    return functools.reduce(
+        operator.add,
+        (
+            jnp.einsum(f"bhts,{kv}->bthd", probs, part)
+            for probs, part in zip(probs_parts, v_parts, strict=True)
+        ),
     )
 
 
