@@ -168,8 +168,8 @@ def batch_chunk(
     start_B = head["pos"]
 
     def step(c):
-        # A free row runs from slot 0 of the buffer and sees nothing of the cache (positions
-        # past its kept prompt could give NaNs); what it computes is dropped.
+        # A free row runs at position `at`: it sees the buffer's slots 0..at only (never no
+        # key at all, never a position past the context); what it computes is dropped.
         pos_B = jnp.where(active_B, c["pos"], c["at"])
         layers = [
             {**kv, "recent_k": recent["k"], "recent_v": recent["v"], "at": c["at"]}
