@@ -118,28 +118,30 @@ class KeptProgram:
 
     def _load_or_compile(self, args: tuple, signature) -> Any:
         reading = self._reading.pop(signature, None)
-        program = self._read(self._entry(args)) if reading is None else reading.result()
+        entry = self._entry(args)
+        program = self._read(entry) if reading is None else reading.result()
         if program is None:
             # Not under this config; perhaps another config (another train.max_steps with the
             # same schedule, log interval, tracker) compiled the same program: under its text.
             lowered = self.jitted.trace(*args).lower()
-            by_text = self._text_entry(lowered, args)
+            by_text = self._text_entry(lowered, entry["inputs"])
             program = self._read(by_text)
             if program is None:
-                return self._compile_and_keep(args, lowered, by_text)
-            self.cache.put(self.kind, self._entry(args), {"program": by_text})
+                return self._compile_and_keep(args, lowered, by_text, entry)
+            self.cache.put(self.kind, entry, {"program": by_text})
         _LOG.debug("%s: kept program read%s", self.kind, "" if reading is None else " ahead")
         self._unproven.add(signature)
         return program
 
-    def _text_entry(self, lowered, args: tuple) -> dict[str, Any]:
+    def _text_entry(self, lowered, inputs: list) -> dict[str, Any]:
         text = hashlib.sha256(lowered.as_text().encode()).hexdigest()
-        devices = self.arguments["devices"]
-        return {"program_text": text, "devices": devices, "inputs": _inputs_of(args)}
+        return {"program_text": text, "devices": self.arguments["devices"], "inputs": inputs}
 
-    def _compile_and_keep(self, args: tuple, lowered=None, by_text=None) -> Any:
+    def _compile_and_keep(self, args: tuple, lowered=None, by_text=None, entry=None) -> Any:
         """Compile the program (from `lowered`, when the caller has it) and keep it under its
-        text (`by_text`, its entry, when the caller has it), with this config's pointer."""
+        text (`by_text`, its entry, when the caller has it), with this config's pointer (at
+        `entry`, when the caller has it)."""
+        entry = entry or self._entry(args)
         if lowered is None:
             lowered = self.jitted.trace(*args).lower()
         with jax_disk_cache_off():
@@ -149,9 +151,9 @@ class KeptProgram:
         except Exception as err:  # constants in the program; JAX's own in-memory copy
             _LOG.debug("%s: not kept (%s)", self.kind, err)
         else:
-            by_text = by_text or self._text_entry(lowered, args)
+            by_text = by_text or self._text_entry(lowered, entry["inputs"])
             self.cache.put(self.kind, by_text, payload)
-            self.cache.put(self.kind, self._entry(args), {"program": by_text})
+            self.cache.put(self.kind, entry, {"program": by_text})
             _LOG.debug("%s: kept program compiled", self.kind)
         return compiled
 
