@@ -118,9 +118,13 @@ class KeptProgram:
 
     def _load_or_compile(self, args: tuple, signature) -> Any:
         reading = self._reading.pop(signature, None)
-        entry = self._entry(args)
-        program = self._read(entry) if reading is None else reading.result()
+        if reading is None:
+            entry = self._entry(args)
+            program = self._read(entry)
+        else:  # read ahead: its entry is needed only on a miss
+            entry, program = None, reading.result()
         if program is None:
+            entry = entry or self._entry(args)
             # Not under this config; perhaps another config (another train.max_steps with the
             # same schedule, log interval, tracker) compiled the same program: under its text.
             lowered = self.jitted.trace(*args).lower()
