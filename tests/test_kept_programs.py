@@ -18,8 +18,13 @@ import numpy as np
 import pytest
 
 from model.decoding.program_cache import ProgramCache
+from model.network.config import ModelConfig
 from model.training import kept_programs
+from model.training.config import TrainConfig
+from model.training.data import TokenSplits
 from model.training.kept_programs import KeptProgram, kept
+from model.training.trainer import Trainer, seed_key
+from tests.jax_events import COMPILE_EVENT, TRACE_EVENT, jax_events
 from tests.tiny_runs import ROOT, TINY_TRAIN, run_python_json, write_word_corpus
 
 KINDS = {"train-init-params", "train-init-optimizer", "train-step", "train-evaluation"}
@@ -90,6 +95,41 @@ def test_a_second_run_reads_every_program_and_trains_the_same(tmp_path):
     assert len(logged) < len(metrics(tmp_path / "first"))
     assert all(record in metrics(tmp_path / "first") for record in logged)
     assert len(entries(cache / "programs")["train-step"]) == 5  # its pointer only
+
+
+def test_a_trainer_whose_programs_are_kept_traces_and_compiles_nothing(tmp_path):
+    """The warm path in one process: a second trainer of a config reads the programs it runs,
+    and its first state (the key too) and the evaluation's running sum are made on the host."""
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    t = TrainConfig(batch_size=4, eval_steps=2, eval_batch_size=4, seed=2**32 - 1)
+    tokens = np.arange(400, dtype=np.uint16) % 64
+    splits = TokenSplits(train=tokens, val=tokens, val_bytes=len(tokens))
+
+    def train_and_evaluate(trainer: Trainer) -> tuple[float, float]:
+        state = trainer.initial_state()
+        state, metrics = trainer.train_step(state, *trainer.batch(tokens, 0))
+        return float(metrics["loss"]), trainer.evaluate(state.params, splits)
+
+    first = train_and_evaluate(Trainer(t, cfg, programs=ProgramCache(tmp_path)))
+    second_trainer = Trainer(t, cfg, programs=ProgramCache(tmp_path))
+    with jax_events(TRACE_EVENT, COMPILE_EVENT) as events:
+        second = train_and_evaluate(second_trainer)
+    assert events == [] and second == first
+
+
+@pytest.mark.parametrize("seed", [0, 1337, 2**31 - 1, 2**31, 2**32 - 1])
+def test_the_host_made_key_is_jax_random_key(seed):
+    sharding = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(jax.devices()), ("d",)), jax.sharding.PartitionSpec()
+    )
+    key = seed_key(seed, sharding)
+    expected = jax.random.key(seed, impl="threefry2x32")
+    assert key.dtype == expected.dtype and key.sharding == sharding
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(expected))
+    np.testing.assert_array_equal(
+        jax.random.uniform(jax.random.fold_in(key, 3), (4,)),
+        jax.random.uniform(jax.random.fold_in(expected, 3), (4,)),
+    )
 
 
 def program(cache: ProgramCache, size: int) -> KeptProgram:

@@ -53,6 +53,10 @@ from model.training.kept_programs import KeptProgram, kept
 from model.training.optim import make_optimizer
 from model.training.state import TrainState
 
+# The training key's generator, named rather than left to jax_default_prng_impl: seed_key
+# builds its keys by hand.
+KEY_IMPL = "threefry2x32"
+
 if TYPE_CHECKING:
     from model.decoding.program_cache import ProgramCache
 
@@ -158,7 +162,7 @@ class Trainer:
         self.state_shardings = TrainState(
             self.param_shardings, self.opt_shardings, replicated, replicated
         )
-        key_shape = jax.eval_shape(jax.random.key, 0)
+        key_shape = jax.eval_shape(lambda: jax.random.key(0, impl=KEY_IMPL))
         self._state_shapes = _placed_shapes(
             TrainState(shapes, opt_shapes, jax.ShapeDtypeStruct((), jnp.int32), key_shape),
             self.state_shardings,
@@ -185,9 +189,6 @@ class Trainer:
         self._init_opt_state = keep(
             jax.jit(self.tx.init, out_shardings=self.opt_shardings), "init-optimizer"
         )
-        # Made by a program, not device_put: with several processes the mesh holds devices
-        # this process cannot address.
-        self._base_key = jax.jit(lambda: jax.random.key(t.seed), out_shardings=replicated)
         self.batch_sharding = batch_sharding(self.mesh)
         self._loss = training_loss(self.graphdef, self.rest, t)
         self.train_step = keep(self._compile_step(), "step")
@@ -196,7 +197,6 @@ class Trainer:
         self.eval_batches = keep(
             jax.jit(self._eval_losses_summed, out_shardings=replicated), "evaluation"
         )
-        self._zero = jax.jit(lambda: jnp.float32(0), out_shardings=replicated)
 
     # -- the states it makes ---------------------------------------------------------------
 
@@ -225,7 +225,8 @@ class Trainer:
 
     def _state(self, params, opt_state, step: int) -> TrainState:
         step_on_mesh = put_batch(np.asarray(step, np.int32), self.state_shardings.step)
-        return TrainState(params, opt_state, step_on_mesh, self._base_key())
+        key = seed_key(self.train_cfg.seed, self.state_shardings.key)
+        return TrainState(params, opt_state, step_on_mesh, key)
 
     def prefetch_programs(self) -> None:
         """Start reading the kept step and evaluation programs (KeptProgram.prefetch) while
@@ -332,7 +333,7 @@ class Trainer:
         arithmetic. The losses add up in batch order, in float32, as one call per batch did."""
         t = self.train_cfg
         chunk = self._eval_chunk()
-        total = self._zero()
+        total = put_batch(np.zeros((), np.float32), NamedSharding(self.mesh, P()))
         for start in range(0, t.eval_steps, chunk):
             pairs = [
                 self.host_batch(splits.val, i, stream=1, rows=t.eval_rows)  # [1, rows, T] each
@@ -350,6 +351,15 @@ class Trainer:
             return total + self._eval_loss(params, *xy), None
 
         return jax.lax.scan(add, total, (x_SxBxT, y_SxBxT))[0]
+
+
+def seed_key(seed: int, sharding: NamedSharding) -> jax.Array:
+    """`jax.random.key(seed, impl=KEY_IMPL)` placed with `sharding`, made on the host rather
+    than by a jitted jax.random.key: a warm run then traces and compiles nothing (each small
+    program costs it tens of milliseconds). threefry's key for a seed in 0..2**32-1 is the
+    pair (0, seed); put_batch places it in every process's devices."""
+    data = put_batch(np.array([0, seed], np.uint32), sharding)
+    return jax.random.wrap_key_data(data, impl=KEY_IMPL)
 
 
 def eval_chunk(eval_steps: int, tokens_per_batch: int, budget: int = 1 << 21) -> int:
