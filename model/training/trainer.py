@@ -158,7 +158,7 @@ class Trainer:
         self.opt_shardings = shardings_like_params(
             opt_shapes, shapes, self.param_shardings, self.mesh
         )
-        replicated = NamedSharding(self.mesh, P())
+        self.replicated = replicated = NamedSharding(self.mesh, P())  # scalars: step, key, sums
         self.state_shardings = TrainState(
             self.param_shardings, self.opt_shardings, replicated, replicated
         )
@@ -235,7 +235,7 @@ class Trainer:
         t, shapes = self.train_cfg, self._state_shapes
         x = self._batch_struct(self._batch_shape(None, 0))
         x_eval = self._batch_struct((self._eval_chunk(), t.eval_rows, self.model_cfg.block_size))
-        total = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(self.mesh, P()))
+        total = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
         for program, args in (
             (self.train_step, (shapes, x, x)),
             (self.eval_batches, (shapes.params, x_eval, x_eval, total)),
@@ -279,8 +279,9 @@ class Trainer:
             return state.advanced(params, opt_state), metrics
 
         # Donation lets XLA update params and Adam moments in place.
-        replicated = NamedSharding(self.mesh, P())
-        return jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, replicated))
+        return jax.jit(
+            step, donate_argnums=0, out_shardings=(self.state_shardings, self.replicated)
+        )
 
     def _eval_loss(self, params, x_BxT, y_BxT):
         model = nnx.merge(self.graphdef, forward_weights(params, self.train_cfg), self.rest)
@@ -333,7 +334,7 @@ class Trainer:
         arithmetic. The losses add up in batch order, in float32, as one call per batch did."""
         t = self.train_cfg
         chunk = self._eval_chunk()
-        total = put_batch(np.zeros((), np.float32), NamedSharding(self.mesh, P()))
+        total = put_batch(np.zeros((), np.float32), self.replicated)
         for start in range(0, t.eval_steps, chunk):
             pairs = [
                 self.host_batch(splits.val, i, stream=1, rows=t.eval_rows)  # [1, rows, T] each
