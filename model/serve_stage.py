@@ -1,12 +1,12 @@
 """The --serve stage: a trained run (float or quantized) served over HTTP until Ctrl-C.
 
 It loads the run, starts the engine (model/serving/engine.py: continuous batching through
-the KV cache; its programs are compiled before the server answers), binds the address, prints
-one ready line on stderr with the URL, and serves the OpenAI-compatible routes
-(model/serving/app.py) with uvicorn. Ctrl-C or SIGTERM stops it: the listening socket closes at
-once (a new connection is refused), a new request on a connection already open gets 503,
-requests in flight may finish for up to `GRACE_S` - 1 seconds, then the engine answers what
-is left with an error event, and the stage ends with one line.
+the KV cache; its programs are compiled before the server answers), binds the address, and
+serves the OpenAI-compatible routes (model/serving/app.py) with uvicorn; once uvicorn serves
+the socket, it prints one ready line on stderr with the URL. Ctrl-C or SIGTERM stops it: the
+listening socket closes at once (a new connection is refused), a new request on a connection
+already open gets 503, requests in flight may finish for up to `GRACE_S` - 1 seconds, then
+the engine answers what is left with an error event, and the stage ends with one line.
 
     >>> run_serve(cfg, Path("runs/shakespeare"))                      # doctest: +SKIP
     serve: ready on http://127.0.0.1:8000 (model shakespeare, 16 rows, queue 64); Ctrl-C stops
@@ -76,13 +76,12 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
             f"serve: warning: {serve.host} is reachable from other machines and no API key is "
             f"set: anyone there can use this server (set --api-key or {API_KEY_ENV})\n"
         )
-    sys.stderr.write(
+    ready = (
         f"serve: ready on {url} (model {name}, {serve.batch_size} rows, queue "
         f"{serve.queue_size}); Ctrl-C stops\n"
     )
-    sys.stderr.flush()
     try:
-        stopping_server_class()(config, engine, app.server).run(sockets=[listener])
+        stopping_server_class()(config, engine, app.server, ready).run(sockets=[listener])
     finally:
         engine.stop()
         listener.close()
@@ -97,9 +96,17 @@ def stopping_server_class():
     import uvicorn
 
     class StoppingServer(uvicorn.Server):
-        def __init__(self, config, engine, server) -> None:
+        def __init__(self, config, engine, server, ready: str) -> None:
             super().__init__(config)
-            self.engine, self.server = engine, server
+            self.engine, self.server, self.ready = engine, server, ready
+
+        async def startup(self, sockets=None) -> None:
+            # The ready line only once the socket is served and uvicorn's signal handlers are
+            # in place: a Ctrl-C before that would land outside the server's own shutdown.
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                sys.stderr.write(self.ready)
+                sys.stderr.flush()
 
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:

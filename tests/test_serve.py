@@ -293,6 +293,42 @@ def test_a_public_address_without_a_key_is_warned_about_and_ctrl_c_ends_it(run_d
     assert not any("Traceback" in line for line in server.lines)
 
 
+def test_the_ready_line_comes_only_once_ctrl_c_reaches_the_server(monkeypatch):
+    """A Ctrl-C right after the ready line must stop the server, not interrupt its start
+    (which left a never-awaited coroutine's warning as the last line). In process: when the
+    line is written, uvicorn has started and holds SIGINT."""
+    import io
+    import socket
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from model.serve_stage import stopping_server_class
+
+    seen = {}
+
+    class Stderr(io.StringIO):
+        def write(self, text: str) -> int:
+            seen["sigint"], seen["started"] = signal.getsignal(signal.SIGINT), server.started
+            server.should_exit = True  # stop at once: the line is all this test needs
+            return super().write(text)
+
+    async def app(scope, receive, send):  # never called: nothing connects
+        raise AssertionError(scope)
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    listener = socket.create_server(("127.0.0.1", 0))
+    config = uvicorn.Config(app, lifespan="off", log_config=None)
+    engine = SimpleNamespace(drain=lambda: None, stop=lambda: None)
+    server = stopping_server_class()(config, engine, SimpleNamespace(), "serve: ready\n")
+    try:
+        server.run(sockets=[listener])
+    finally:
+        listener.close()
+    assert sys.stderr.getvalue() == "serve: ready\n"
+    assert seen == {"sigint": server.handle_exit, "started": True}
+
+
 def test_a_quantized_run_is_served(run_dir, tmp_path, capsys):
     """An int8 run answers with the greedy text that `--inference` gives on it. (Greedy, not
     sampled: a request without a seed may draw end-of-text first and make no tokens.)"""
