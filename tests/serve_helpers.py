@@ -53,11 +53,16 @@ class ServerProcess:
     def stop(self, signum: int = signal.SIGINT, timeout_s: float = 20) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signum)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        return self.wait(timeout_s)
+
+    def wait(self, timeout_s: float = 20) -> int:
+        """The exit code once the server ends by itself (after a signal already sent: a second
+        one during its shutdown would change how it ends); SIGKILL after `timeout_s`."""
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self._reader.join(5)
         return self.proc.returncode
 
