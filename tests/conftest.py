@@ -5,7 +5,8 @@ XLA_FLAGS before JAX starts. Tests that call the CLI in-process would otherwise 
 flag behind, and whichever test first touches JAX would fix this process's device count by
 test order. Pinning the count here keeps in-process tests on one device; the multi-device
 tests set their own count in subprocesses. The dot kernels the CLI picks on this CPU
-(model/processes/cpu_kernels.py) are set here too, for this process and its subprocesses.
+(model/processes/cpu_kernels.py) are set here too, for this process and its subprocesses, and
+XLA's backend optimisation level (below).
 """
 
 from __future__ import annotations
@@ -20,12 +21,18 @@ import pytest
 
 from model.processes.cpu_devices import DEVICE_COUNT_FLAG
 from model.processes.cpu_kernels import configure_cpu_kernels
+from model.processes.xla_flags import add_xla_flag
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if DEVICE_COUNT_FLAG not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} {DEVICE_COUNT_FLAG}=1".strip()
 # The kernels the CLI picks on this CPU, for this process and the CLI runs it starts alike.
 configure_cpu_kernels()
+# XLA's LLVM backend at -O0 for every program the suite compiles, here and in the processes it
+# starts (tests/child_env.py keeps the flag): the same HLO passes (fusion, layouts, sharding)
+# and the same values, compiled in about two thirds of the time; the slower machine code costs
+# tiny models nothing. Users' runs keep XLA's default; a flag set by the caller wins.
+add_xla_flag("--xla_backend_optimization_level", "0")
 
 # Tests interrupt their children as a user's Ctrl-C would. A session started in the background
 # of a shell without job control (`pytest &` in a script) has SIGINT ignored, and children

@@ -3,7 +3,6 @@ micro-batches), each size compiles once, a resumed run replays the uninterrupted
 size change, 4 devices train as 1, and a size the devices cannot split is refused."""
 
 import json
-import os
 import subprocess
 import sys
 import types
@@ -19,6 +18,7 @@ from model.training.data import sample_batch
 from model.training.metrics import read_metrics
 from model.training.trainer import Trainer
 from plumbing.errors import UsageError
+from tests.child_env import child_env
 from tests.tiny_models import TINY
 from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
 from tokenizer.stage import run_tokenize
@@ -123,7 +123,7 @@ def test_four_simulated_devices_match_one_through_the_schedule(tmp_path, corpus_
     run_dir = tmp_path / "run"
     tokenized_run(run_dir, corpus_file)
     one = short_run(config, str(run_dir), overrides)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = child_env(devices=4)
     script = str(ROOT / "tests" / "multidevice_run.py")
     proc = subprocess.run(
         [sys.executable, script, config, str(run_dir), json.dumps(overrides)],

@@ -22,6 +22,7 @@ import pytest
 
 from model.processes.distributed import lost_peer_line
 from model.processes.stderr_guard import FATAL, HOLD_S, Filter
+from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # What JAX 0.10-0.12 print when the coordinator is gone (copied from a real run).
@@ -79,7 +80,7 @@ def test_a_peer_lost_outside_collectives_is_our_line(tmp_path, victim):
     procs = []
     for i in range(2):
         env = {
-            **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+            **child_env(),
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
             "JAX_NUM_PROCESSES": "2",
             "JAX_PROCESS_ID": str(i),

@@ -3,7 +3,6 @@
 catch what they look for: float64, host callbacks, cuDNN attention missing or misplaced,
 float32 x bf16 products, and control flow a GPU would leave to its host."""
 
-import os
 import re
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from model.accelerators.lowering import (
 )
 from model.accelerators.plan import planned_config
 from model.accelerators.program_text import host_syncs, inspect_text, mixed_products
+from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # The demo's shape, shrunk: two layers of 64 with head dim 32 (cuDNN's multiple of 8).
@@ -185,7 +185,7 @@ def test_cudnn_config_is_not_lowered_where_the_model_refuses_it():
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "check_lowering.py"), *args],
         capture_output=True,

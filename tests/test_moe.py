@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -35,6 +34,7 @@ from model.rundir.checkpoints import Checkpoints
 from model.train_stage import run_train
 from model.training.metrics import read_metrics
 from plumbing.errors import UsageError
+from tests.child_env import child_env
 from tests.tiny_models import TINY, random_tokens, tiny_model
 from tokenizer.stage import run_tokenize
 
@@ -299,7 +299,7 @@ _SHARDING_SCRIPT = textwrap.dedent(
 
 
 def test_expert_params_shard_over_the_data_axis_when_devices_divide_experts():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = child_env(devices=2)
     proc = subprocess.run(
         [sys.executable, "-c", _SHARDING_SCRIPT, str(ROOT)],
         env=env,

@@ -34,6 +34,7 @@ from model.rundir.layout import TOKENIZER_FILE
 from model.train_stage import run_train
 from model.training.metrics import read_metrics
 from plumbing.errors import UsageError
+from tests.child_env import child_env
 from tests.tiny_runs import RECIPE, TINY_TRAIN, tiny_run_config, write_word_corpus
 from tokenizer.stage import run_tokenize
 
@@ -85,7 +86,7 @@ def start_job(cmd: list[str], log_prefix: Path, n: int = 2) -> list:
     """`cmd` as the `n` processes of one JAX job on this machine (a free port, JAX's own
     variables), each writing to log_prefix + its index + .log; [(Popen, log path)]."""
     port = free_port()
-    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *JAX_VARS)}
+    base = child_env(drop=JAX_VARS)
     base["TINYLLM_HEARTBEAT_TIMEOUT_S"] = "10"
     procs = []
     for i in range(n):

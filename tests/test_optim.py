@@ -7,7 +7,6 @@ in test_recipe.py, test_train.py and test_multihost.py through tests/tiny_runs.R
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from model.network.params import path_names
 from model.training.config import TrainConfig
 from model.training.optim import learning_rate_schedule, make_optimizer, muon_dimensions
 from plumbing.errors import UsageError
+from tests.child_env import child_env
 from tests.tiny_models import TINY
 
 MUON = TrainConfig(optimizer="muon", grad_clip=0, warmup_steps=0, muon_learning_rate=1.0)
@@ -253,7 +253,7 @@ def test_devices_sharing_muons_orthogonalisation_give_optax_values():
     """Three CPU devices share out Newton-Schulz (and Polar Express) over stacks of wide,
     tall, square and expert matrices, some shapes not a multiple of the device count: the
     updates and the state are optax's scale_by_muon's."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    env = child_env(devices=3)
     proc = subprocess.run(
         [sys.executable, "-c", _SHARED_MUON_SCRIPT, str(ROOT)],
         env=env, capture_output=True, text=True, check=True,

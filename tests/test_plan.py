@@ -16,6 +16,7 @@ from model.accelerators.devices import NAMES, accelerator, accelerator_of_kind
 from model.accelerators.plan import make_plan, planned_config
 from model.processes.cpu_kernels import YNN_FUSION_FLAG
 from plumbing.errors import UsageError
+from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +87,7 @@ for fsdp in ("false", "true"):
     out[fsdp] = [plan.bytes_per_device, xla_bytes(cfg) if fsdp == "true" else None]
 print(json.dumps(out))
 """
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = child_env(devices=4)
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )

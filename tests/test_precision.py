@@ -3,7 +3,6 @@ reaches every product, train.deterministic sets XLA's flag, and the compilation 
 programs with custom partitioning (sharded cuDNN attention) again in a new process."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from model.accelerators.plan import planned_config
 from model.processes.determinism import DETERMINISM_FLAG, configure_determinism
 from model.training.trainer import Trainer
 from plumbing.errors import UsageError
+from tests.child_env import child_env
 from tests.multidevice_run import train_steps
 from tests.tiny_runs import write_word_corpus
 
@@ -136,8 +136,7 @@ print(json.dumps({{"hits": len(hits), "sum": float(out.sum())}}))
 @pytest.mark.parametrize("keep_pointer", [False, True], ids=["cli-setting", "jax-default"])
 def test_compilation_cache_finds_custom_partitioned_programs(tmp_path, keep_pointer):
     env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        **child_env(devices=2),
         "JAX_PLATFORMS": "cpu",  # two devices on any machine: a GPU host's one GPU has no split
         "TINYLLM_XLA_CACHE": str(tmp_path / "cache"),
     }

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,8 +21,8 @@ from model.decoding import programs as decode_programs
 from model.decoding.generate import generate_all
 from model.decoding.program_cache import ProgramCache
 from model.decoding.programs import compile_programs
-from model.processes.cpu_devices import DEVICE_COUNT_FLAG
 from model.rundir.trained import load_float_model
+from tests.child_env import child_env
 from tests.tiny_models import tiny_model
 from tests.tiny_runs import ROOT, run_python_json, train_tiny_run
 
@@ -257,7 +256,7 @@ def test_programs_kept_by_a_process_with_several_devices_serve_one_with_one(tmp_
     proc = subprocess.run(
         [sys.executable, "-c", COMPILE_SCRIPT, "", str(tmp_path)],
         cwd=ROOT,
-        env={**os.environ, "XLA_FLAGS": _two_devices()},
+        env=child_env(devices=2),
         capture_output=True,
         text=True,
         timeout=300,
@@ -276,14 +275,6 @@ def test_programs_kept_by_a_process_with_several_devices_serve_one_with_one(tmp_
         **SETTINGS,
     )
     assert out.tolist() == json.loads(proc.stdout)
-
-
-def _two_devices() -> str:
-    """This process's XLA flags (its CPU kernels: the key covers every flag but the device
-    count) with two CPU devices."""
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    kept = [flag for flag in flags if not flag.startswith(DEVICE_COUNT_FLAG)]
-    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}=2"])
 
 
 @pytest.fixture(scope="module")

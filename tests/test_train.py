@@ -16,6 +16,7 @@ from model.training.errors import TrainingDiverged
 from model.training.metrics import read_metrics
 from model.training.trainer import Trainer
 from plumbing.errors import UsageError
+from tests.child_env import child_env
 from tests.tiny_runs import RECIPE, TINY_TRAIN, tiny_run_config, write_word_corpus
 from tokenizer.stage import run_tokenize
 
@@ -222,7 +223,7 @@ def test_four_simulated_devices_match_one(tmp_path, corpus_file, recipe):
     config = str(ROOT / "configs" / "shakespeare_char.toml")
     _, run_dir = tokenized_run(tmp_path, corpus_file)
     one = short_run(config, str(run_dir), overrides)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = child_env(devices=4)
     proc = subprocess.run(
         [
             sys.executable,
@@ -316,7 +317,7 @@ def test_configure_cpu_devices_leaves_a_users_count_alone(monkeypatch):
 def test_cli_trains_data_parallel_over_cpu_devices_with_the_same_losses(tmp_path, corpus_file):
     """--train exposes one CPU device per core (here 2, asked for explicitly so that the test
     does not depend on the machine) and gets the single-device losses."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     losses = {}
     for devices in (1, 2):
         out = tmp_path / f"run{devices}"

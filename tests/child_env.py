@@ -1,0 +1,22 @@
+"""The environment of a JAX process that a test starts: this session's XLA flags (tests/
+conftest.py: the CPU kernels and the compiler's optimisation level) with the device count set,
+or left for the child to choose (the CLI picks one device per core)."""
+
+from __future__ import annotations
+
+import os
+
+from model.processes.cpu_devices import DEVICE_COUNT_FLAG
+from model.processes.xla_flags import without_xla_flag, xla_flags
+
+
+def child_env(devices: int | None = None, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """os.environ without `drop`, its XLA_FLAGS with `devices` CPU devices (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    flags = without_xla_flag(DEVICE_COUNT_FLAG, xla_flags(env))
+    if devices is not None:
+        flags = f"{flags} {DEVICE_COUNT_FLAG}={devices}".strip()
+    env.pop("XLA_FLAGS", None)
+    if flags:
+        env["XLA_FLAGS"] = flags
+    return env
