@@ -23,9 +23,7 @@ from model.processes.cpu_devices import DEVICE_COUNT_FLAG
 from model.processes.cpu_kernels import configure_cpu_kernels
 from model.processes.xla_flags import add_xla_flag
 
-_flags = os.environ.get("XLA_FLAGS", "")
-if DEVICE_COUNT_FLAG not in _flags:
-    os.environ["XLA_FLAGS"] = f"{_flags} {DEVICE_COUNT_FLAG}=1".strip()
+add_xla_flag(DEVICE_COUNT_FLAG, "1")
 # The kernels the CLI picks on this CPU, for this process and the CLI runs it starts alike.
 configure_cpu_kernels()
 # XLA's LLVM backend at -O0 for every program the suite compiles, here and in the processes it
