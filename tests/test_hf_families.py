@@ -17,7 +17,7 @@ import pytest
 import tinyllm
 from model.interop.families import FAMILIES, GPT2, LLAMA, QWEN3, family_for
 from model.interop.hf_export import export_run
-from model.interop.hf_format import EOT
+from model.interop.hf_format import EOT, hf_config_of, model_config_from_hf
 from model.interop.hf_import import load_hf_model
 from model.network.config import ModelConfig
 from model.rundir.trained import open_trained_run
@@ -42,6 +42,7 @@ from tokenizer.gpt2_files import write_tokenizer_json
 from tokenizer.pretokenize import PATTERNS
 
 LLAMA_LAYERS = ["model.norm=rmsnorm", "model.mlp=swiglu", "model.position=rope"]
+LLAMA_FIELDS = {"norm": "rmsnorm", "mlp": "swiglu", "position": "rope"}
 
 # -- the allowlists (no transformers needed) --------------------------------------------------
 
@@ -104,6 +105,23 @@ def test_what_no_family_holds_is_refused_in_one_line_naming_it(layers, fragment)
         family_for(ModelConfig(vocab_size=64, n_embd=32, n_head=2, **layers))
     message = str(error.value)
     assert fragment in message and "cannot be exported" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [{}, LLAMA_FIELDS, LLAMA_FIELDS | {"qk_norm": True}],
+    ids=["GPT-2", "Llama", "Qwen3"],
+)
+def test_a_checkpoint_read_under_a_config_with_our_options_on_has_them_off(layers):
+    """A checkpoint's config.json read under a config whose recipe turns on every option no
+    family holds: the model is the checkpoint's, none of them on, and its family holds it."""
+    plain = ModelConfig(vocab_size=64, n_embd=32, n_head=2, **layers)
+    family = family_for(plain)
+    recipe = {"moe_experts": 4, "logit_softcap": 15.0, "x0_mixing": True}
+    recipe |= {"value_embeddings": True, "unet_skips": True, "mtp_tokens": 2, "n_layer": 4}
+    read = model_config_from_hf(hf_config_of(plain, family, None), ModelConfig(**recipe), family)
+    assert family_for(read) is family
+    assert {f: getattr(read, f) for f in recipe} == {f: getattr(plain, f) for f in recipe}
 
 
 # -- Llama and Qwen3 in: random models saved by transformers ----------------------------------

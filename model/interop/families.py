@@ -56,20 +56,29 @@ _MOE_DETAILS = (
 _MTP_DETAILS = ("mtp_weight",)
 
 
+# Our options that no family holds: the value that turns each off, and why a family refuses
+# it on. An imported model has them off whatever the config it is imported under says
+# (gpt2_layout, llama_layout), and an export refuses them on: one list for both.
+_NOT_HELD: dict[str, tuple[object, str]] = {
+    "moe_experts": (0, "has no experts"),
+    "logit_softcap": (0.0, "has no logit soft-capping"),
+    "x0_mixing": (False, "has no residual mixing with x0"),
+    "value_embeddings": (False, "has no value embeddings"),
+    "unet_skips": (False, "has no U-net skip connections"),
+    # The heads only train (the logits are the plain model's), but the family's checkpoint has
+    # no place for their weights: refused rather than silently dropped.
+    "mtp_tokens": (0, "has no multi-token prediction heads"),
+}
+OPTIONS_OFF: dict[str, object] = {field: off for field, (off, _) in _NOT_HELD.items()}
+
+
 def _common(name: str) -> dict[str, Rule]:
-    """Rules every family shares: sizes carried, no experts, no cap, no residual mixing, no
-    value embeddings, U-net skips or multi-token heads."""
+    """Rules every family shares: sizes carried, none of the options in _NOT_HELD."""
     rules: dict[str, Rule] = {
         f: anything for f in (*_CARRIED, *_INERT, *_MOE_DETAILS, *_MTP_DETAILS)
     }
-    rules["moe_experts"] = _equal("moe_experts", 0, f"{name} has no experts")
-    rules["logit_softcap"] = _equal("logit_softcap", 0.0, f"{name} has no logit soft-capping")
-    rules["x0_mixing"] = _equal("x0_mixing", False, f"{name} has no residual mixing with x0")
-    rules["value_embeddings"] = _equal("value_embeddings", False, f"{name} has no value embeddings")
-    rules["unet_skips"] = _equal("unet_skips", False, f"{name} has no U-net skip connections")
-    # The heads only train (the logits are the plain model's), but the family's checkpoint has
-    # no place for their weights: refused rather than silently dropped.
-    rules["mtp_tokens"] = _equal("mtp_tokens", 0, f"{name} has no multi-token prediction heads")
+    for field, (off, why) in _NOT_HELD.items():
+        rules[field] = _equal(field, off, f"{name} {why}")
     return rules
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from model.interop.config_values import flag, integer, number
-from model.interop.families import Family
+from model.interop.families import OPTIONS_OFF, Family
 from model.network.config import ModelConfig
 from plumbing.errors import UsageError
 
@@ -76,14 +76,9 @@ def model_config(hf: dict[str, Any], base: ModelConfig, family: Family) -> Model
         position="learned",
         norm_eps=number(hf, "layer_norm_epsilon", "GPT-2", 1e-5),
         tie_embeddings=flag(hf, "tie_word_embeddings", "GPT-2", True),
-        moe_experts=0,
         qk_norm=False,  # GPT-2's layers, whatever the config's recipe says
         qk_norm_weights=False,
-        logit_softcap=0.0,
-        x0_mixing=False,
-        value_embeddings=False,
-        unet_skips=False,
-        mtp_tokens=0,
+        **OPTIONS_OFF,  # none of our options that no family holds
     ).validate()
 
 

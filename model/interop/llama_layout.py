@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from model.interop.config_values import flag, integer, number
-from model.interop.families import QWEN3, Family
+from model.interop.families import OPTIONS_OFF, QWEN3, Family
 from model.network.config import ModelConfig
 from plumbing.errors import UsageError
 
@@ -107,14 +107,9 @@ def model_config(hf: dict[str, Any], base: ModelConfig, family: Family) -> Model
         rope_theta=_rope_theta(hf, name),
         norm_eps=number(hf, "rms_norm_eps", name, 1e-6),
         tie_embeddings=flag(hf, "tie_word_embeddings", name, False),
-        moe_experts=0,
         qk_norm=family is QWEN3,
         qk_norm_weights=family is QWEN3,
-        logit_softcap=0.0,
-        x0_mixing=False,
-        value_embeddings=False,
-        unet_skips=False,
-        mtp_tokens=0,
+        **OPTIONS_OFF,  # none of our options that no family holds
     ).validate()
 
 
