@@ -6,7 +6,7 @@ flag behind, and whichever test first touches JAX would fix this process's devic
 test order. Pinning the count here keeps in-process tests on one device; the multi-device
 tests set their own count in subprocesses. The dot kernels the CLI picks on this CPU
 (model/processes/cpu_kernels.py) are set here too, for this process and its subprocesses, and
-XLA's backend optimisation level (below).
+two compiler settings that halve the suite's compiling (below).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 from model.processes.cpu_devices import DEVICE_COUNT_FLAG
 from model.processes.cpu_kernels import configure_cpu_kernels
-from model.processes.xla_flags import add_xla_flag
+from model.processes.xla_flags import add_xla_flag, xla_flags
 
 
 def xla_accepts(flag: str, value: str) -> bool:
@@ -46,19 +46,20 @@ configure_cpu_kernels()
 # tiny models nothing. Users' runs keep XLA's default; a flag set by the caller wins.
 add_xla_flag("--xla_backend_optimization_level", "0")
 
-# XLA:CPU's older elemental emitters instead of its MLIR fusion emitters (the default since
-# jaxlib 0.5): at -O0 they compile the suite's programs in about half the time (a tiny model's
-# training step with the modern recipe: 1.3 - 1.9 s against 2.5 - 3.8 s), the values within
-# float rounding of the default's, which every same-values test compares like with like. Users'
-# runs keep the default: at XLA's usual -O2 the older emitters took 100 s to compile the fast
-# Shakespeare config's step, not 7 s. Newer jaxlibs (0.12) dropped the flag, and XLA aborts on a
-# flag it does not know, so it is set only where a probe process accepts it.
+# XLA:CPU's older elemental emitters instead of its default MLIR fusion emitters: at -O0 they
+# compile the suite's programs in about half the time (a tiny model's training step with the
+# modern recipe: 1.3 - 1.9 s against 2.5 - 3.8 s), the values within float rounding of the
+# default's, and every same-values test compares programs compiled alike. Users' runs keep the
+# default: at XLA's usual -O2 the older emitters took 100 s to compile the fast Shakespeare
+# config's step, not 7 s. jaxlib 0.12 dropped the flag, and XLA aborts on a flag it does not
+# know, so it is set only where a probe process accepts it (a caller's own setting wins).
 LEGACY_EMITTERS = ("--xla_cpu_use_fusion_emitters", "false")
 _ACCEPTED = "TINYLLM_TEST_XLA_LEGACY_EMITTERS"  # the probe's answer, for pytest-xdist's workers
-if os.environ.get(_ACCEPTED) is None:
-    os.environ[_ACCEPTED] = "1" if xla_accepts(*LEGACY_EMITTERS) else "0"
-if os.environ[_ACCEPTED] == "1":
-    add_xla_flag(*LEGACY_EMITTERS)
+if LEGACY_EMITTERS[0] not in xla_flags():
+    if os.environ.get(_ACCEPTED) is None:
+        os.environ[_ACCEPTED] = "1" if xla_accepts(*LEGACY_EMITTERS) else "0"
+    if os.environ[_ACCEPTED] == "1":
+        add_xla_flag(*LEGACY_EMITTERS)
 
 # Tests interrupt their children as a user's Ctrl-C would. A session started in the background
 # of a shell without job control (`pytest &` in a script) has SIGINT ignored, and children
