@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         groups = _choices(args.programs, GROUPS, "programs")
         # Before JAX starts: the CPU device count is read once, when its backend starts.
         from model.processes.cpu_devices import DEVICE_COUNT_FLAG
-        from model.processes.xla_flags import without_xla_flag, xla_flags
+        from model.processes.xla_flags import add_xla_flag, without_xla_flag, xla_flags
 
-        flags = without_xla_flag(DEVICE_COUNT_FLAG, xla_flags())
-        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={args.devices}".strip()
+        os.environ["XLA_FLAGS"] = without_xla_flag(DEVICE_COUNT_FLAG, xla_flags())
+        add_xla_flag(DEVICE_COUNT_FLAG, str(args.devices))
         import jax
 
         if jax.device_count() != args.devices:  # JAX started before (called in-process)

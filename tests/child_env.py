@@ -1,6 +1,6 @@
 """The environment of a JAX process that a test starts: this session's XLA flags (tests/
-conftest.py: the CPU kernels and the compiler's optimisation level) with the device count set,
-or left for the child to choose (the CLI picks one device per core)."""
+conftest.py: the CPU kernels, the compiler's optimisation level and its kernel emitters) with
+the device count set, or left for the child to choose (the CLI picks one device per core)."""
 
 from __future__ import annotations
 
