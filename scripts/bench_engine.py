@@ -12,12 +12,16 @@ it. Two tables follow:
   prefill).
 - Chunks: each compiled decode chunk alone (`--chunk-steps` steps), per row count at its
   shortest and longest cache length: ms per step, median of 15 after one run.
+- With `--profile DIR`: 5 chunks of 1 row and of all rows at the longest cache length under
+  `jax.profiler` (Perfetto traces in DIR), and, on a GPU, what the device did per step: its
+  kernels, the time they kept it busy, and the costliest ones (scripts/device_trace.py).
 
 Compare one machine's figures with `scripts/bench_serve.py` (the same engine over HTTP).
 Time it alone:
 
     python scripts/bench_engine.py --run runs/bpe11m
     python scripts/bench_engine.py --run runs/shakespeare --clients 1 16 64 --rows 64
+    python scripts/bench_engine.py --run runs/bpe11m --profile /tmp/engine-profile
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, uninstalled
+
+from device_trace import summary as device_summary  # beside this script
 
 from plumbing.cli import OneLineParser, one_line_errors
 from plumbing.machine import machine_line
@@ -101,6 +107,33 @@ def chunk_ms_per_step(engine, rows: int, length: int, steps: int) -> float:
     return 1e3 * statistics.median(times[1:]) / steps
 
 
+def profile_chunks(engine, rows: int, length: int, steps: int, folder: Path) -> None:
+    """5 chunks under jax.profiler; the device's work per step, where the trace has it."""
+    import jax
+
+    jax.block_until_ready(engine._chunk(steps, rows, length))  # compiled and warm
+    engine.pos[:] = 0
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        start = time.perf_counter()
+        for _ in range(5):
+            jax.block_until_ready(engine._chunk(steps, rows, length))
+            engine.pos[:] = 0
+        ms = 1e3 * (time.perf_counter() - start) / (5 * steps)
+    trace = max(folder.glob("**/perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    found = device_summary(trace, steps=5 * steps)
+    print(f"\n{rows} row(s), cache length {length}: {ms:.3f} ms a step under the profiler; "
+          f"trace {trace}")  # fmt: skip
+    if found is None:
+        print("no device timeline in the trace (a CPU runs XLA's ops on host threads): open "
+              "it in Perfetto")  # fmt: skip
+        return
+    print(f"a step: {found['kernels_per_step']:.0f} device kernels, busy "
+          f"{found['busy_ms_per_step']:.3f} ms of {found['span_ms_per_step']:.3f} ms from the "
+          "first kernel's start to the last one's end")  # fmt: skip
+    for name, ms_step, launches in found["top"]:
+        print(f"  {ms_step:.4f} ms a step, {launches:g} launches: {name[:80]}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = OneLineParser(prog="bench_engine.py", description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="a trained run directory")
@@ -110,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="rounds; the table shows medians")
     p.add_argument("--prompt", default=PROMPT, help="every request's prompt")
+    p.add_argument("--profile", type=Path, help="also trace chunks with jax.profiler, here")
     args = p.parse_args(argv)
     if min(args.clients) < 1 or min(args.rows, args.chunk_steps, args.max_tokens) < 1:
         p.error("--clients, --rows, --chunk-steps and --max-tokens must be >= 1")
@@ -163,6 +197,11 @@ def main(argv: list[str] | None = None) -> None:
             for length in sorted({min(lengths), max(lengths)}):
                 ms = chunk_ms_per_step(engine, rows, length, args.chunk_steps)
                 print(f"| {rows} | {length} | {ms:.3f} |")
+        if args.profile:
+            for rows in sorted({1, max(engine.programs.lengths)}):
+                length = max(engine.programs.lengths[rows])
+                folder = args.profile / f"rows{rows}"
+                profile_chunks(engine, rows, length, args.chunk_steps, folder)
 
 
 if __name__ == "__main__":

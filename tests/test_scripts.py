@@ -138,14 +138,15 @@ def test_serve_bench_starts_a_server_measures_and_stops_it(tmp_path):
 
 def test_engine_bench_times_waves_and_every_row_count(tmp_path):
     """End to end on a tiny char run: a wave row per client count with positive rates and
-    parts, and a chunk row for each row count the engine compiled."""
+    parts, a chunk row for each row count the engine compiled, and with --profile a trace
+    of 1 row and of all rows (a CPU's has no device timeline, which it says)."""
     from tests.tiny_runs import train_tiny_run
 
     run_dir = train_tiny_run(tmp_path, "train.max_steps=4")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--run", str(run_dir),
          "--rows", "4", "--clients", "1", "3", "--max-tokens", "6", "--repeats", "1",
-         "--prompt", "to be or"],
+         "--prompt", "to be or", "--profile", str(tmp_path / "prof")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -157,3 +158,36 @@ def test_engine_bench_times_waves_and_every_row_count(tmp_path):
     assert all(float(cell.replace(",", "")) > 0 for r in waves for cell in r[1:3])
     chunks = [r for r in rows if len(r) == 3 and r[0].strip().isdigit()]
     assert sorted({int(r[0]) for r in chunks}) == [1, 4] and all(float(r[2]) > 0 for r in chunks)
+    for rows in (1, 4):
+        assert len(list((tmp_path / "prof" / f"rows{rows}").glob("**/perfetto_trace.json.gz"))) == 1
+    assert proc.stdout.count("no device timeline in the trace") == 2
+
+
+def test_device_trace_counts_a_device_s_kernels_per_step(tmp_path):
+    """scripts/device_trace.py on a Perfetto trace written here: two steps of three kernels on
+    a GPU stream; host events and other processes are not counted."""
+    import gzip
+
+    from scripts.device_trace import summary  # a namespace package from the checkout
+
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+    ]
+    kernels = [("dot", 10), ("softmax", 4), ("dot", 10)] * 2
+    events, ts = [], 100
+    for name, dur in kernels:
+        events.append({"ph": "X", "pid": 1, "tid": 7, "name": name, "ts": ts, "dur": dur})
+        ts += dur + 1  # a microsecond between kernels
+    events.append({"ph": "X", "pid": 2, "tid": 3, "name": "PjitFunction", "ts": 0, "dur": 500})
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": meta + events[::-1]}, f)  # out of order, as files may be
+    found = summary(path, steps=2, top=1)
+    assert found["kernels_per_step"] == 3
+    assert found["busy_ms_per_step"] == pytest.approx(0.024)
+    assert found["span_ms_per_step"] == pytest.approx((ts - 1 - 100) / 1e3 / 2)
+    assert found["top"] == [("dot", pytest.approx(0.02), 2)]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": meta[1:] + events[-1:]}, f)
+    assert summary(path, steps=2) is None
