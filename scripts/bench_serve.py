@@ -19,6 +19,10 @@ the client counts, so a change in the machine's load touches them all alike. Per
   tokens), and re-encoding the text need not give back the same BPE tokens.
 - tokens/s: those tokens over the wall time from the first send to the last response's end.
 - TTFT: per request, the time to the first chunk with non-empty text; latency: to `[DONE]`.
+- CPU s: the CPU time (all threads, user + system) the wave took in this script's clients
+  and in the server (read from Linux's /proc, for a server this script started; "-"
+  otherwise). Beside the wall time it says which side a wave waited on: a server whose
+  Python spends most of the wave on its streams is bound by its event loop, not the model.
 - failed: anything but HTTP 200 and a stream that ends with a finish_reason and `[DONE]`
   (429 from a full queue, an error chunk, a dropped connection, a timeout).
 
@@ -53,7 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, uninstalled
 
-from serve_clients import health, stream_one, summary, wave  # beside this script
+from serve_clients import health, process_cpu_s, stream_one, summary, wave  # beside this script
 
 from plumbing.atomic import write_atomic
 from plumbing.cli import OneLineParser, one_line_errors
@@ -123,8 +127,11 @@ class ServerProcess:
             self.proc.wait()
 
 
-async def measure(args, url: str) -> dict:
+async def measure(args, url: str, server_pid: int | None = None) -> dict:
     import httpx
+
+    def server_cpu() -> float | None:
+        return None if server_pid is None else process_cpu_s(server_pid)
 
     def body(i: int) -> dict:
         return {
@@ -150,10 +157,11 @@ async def measure(args, url: str) -> dict:
         rounds["sequential"] = []
         for _ in range(args.repeats):
             for c in args.clients:
-                rounds[c].append(await wave(client, url, [body(i) for i in range(c)], True))
+                bodies = [body(i) for i in range(c)]
+                rounds[c].append(await wave(client, url, bodies, True, server_cpu))
             if args.sequential:
                 bodies = [body(i) for i in range(args.sequential)]
-                rounds["sequential"].append(await wave(client, url, bodies, False))
+                rounds["sequential"].append(await wave(client, url, bodies, False, server_cpu))
     return {
         "clients": {c: {"clients": c, **summary(rounds[c])} for c in args.clients},
         "sequential": summary(rounds["sequential"]) if args.sequential else None,
@@ -223,12 +231,16 @@ def report(args, url: str, machine: dict, model: dict, result: dict) -> None:
         f"{args.temperature}, seed = client index, {len(args.prompt)} prompt(s); each client "
         f"sends 1 request per round; medians over {args.repeats} round(s) after 1 warm-up request\n"
     )
-    print("| clients | requests | tokens/s | TTFT p50 s | latency p50 s | latency p99 s | failed |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| clients | requests | tokens/s | TTFT p50 s | latency p50 s | latency p99 s | "
+        "CPU s: clients | server | failed |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c, s in result["clients"].items():
         print(
             f"| {c} | {s['requests']} | {s['tokens_per_s']:,.0f} | {seconds(s['ttft_p50_s'])} | "
-            f"{seconds(s['latency_p50_s'])} | {seconds(s['latency_p99_s'])} | {s['failed']} |"
+            f"{seconds(s['latency_p50_s'])} | {seconds(s['latency_p99_s'])} | "
+            f"{seconds(s['client_cpu_s'])} | {seconds(s['server_cpu_s'])} | {s['failed']} |"
         )
     sequential = result["sequential"]
     everything = [*result["clients"].values(), *([sequential] if sequential else [])]
@@ -236,7 +248,9 @@ def report(args, url: str, machine: dict, model: dict, result: dict) -> None:
         print(
             f"\nsequential: {args.sequential} requests one after another: "
             f"{sequential['tokens_per_s']:,.0f} tokens/s, latency p50 "
-            f"{seconds(sequential['latency_p50_s'])} s, failed {sequential['failed']}"
+            f"{seconds(sequential['latency_p50_s'])} s, CPU s: clients "
+            f"{seconds(sequential['client_cpu_s'])}, server {seconds(sequential['server_cpu_s'])}; "
+            f"failed {sequential['failed']}"
         )
         same = result["clients"].get(args.sequential)
         if same and sequential["tokens_per_s"]:
@@ -303,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
                 server = ServerProcess(run, [queue, *args.overrides])
                 url = server.start()
             try:
-                result = asyncio.run(measure(args, url))
+                pid = server.proc.pid if server is not None else None
+                result = asyncio.run(measure(args, url, pid))
             except httpx.HTTPError as err:
                 raise UsageError(f"the server at {url} does not answer ({err!r})") from None
             finally:

@@ -113,7 +113,8 @@ def test_time_to_loss_ablation_gives_equal_steps_and_equal_time(tmp_path):
 
 def test_serve_bench_starts_a_server_measures_and_stops_it(tmp_path):
     """End to end on a tiny char run (no end-of-text token: every request makes all its
-    tokens): the table, no failed request, and tokens counted exactly."""
+    tokens): the table, no failed request, tokens counted exactly, and the CPU time the
+    clients and the server (started here, so its /proc is read) spent in each wave."""
     from tests.tiny_runs import train_tiny_run
 
     run_dir = train_tiny_run(tmp_path, "train.max_steps=4")
@@ -133,6 +134,9 @@ def test_serve_bench_starts_a_server_measures_and_stops_it(tmp_path):
     result = run["result"]
     for summary in [*result["clients"], result["sequential"]]:
         assert summary["tokens"] == 4 * summary["requests"] and summary["failed"] == 0
+        # the server's in clock ticks (10 ms): a tiny wave may take less than one
+        assert summary["client_cpu_s"] > 0 and summary["server_cpu_s"] >= 0
+    assert all(float(c[-3]) > 0 and float(c[-2]) >= 0 for c in cells)  # not "-"
     assert "one request: decode" in proc.stdout and result["inference_per_s"] > 0
 
 
