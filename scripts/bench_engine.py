@@ -94,31 +94,32 @@ def wave(engine, spent: dict, clients: int, max_tokens: int, prompt: list[int]) 
     return {"tokens_per_s": tokens / wall, **per_token}
 
 
-def chunk_ms_per_step(engine, rows: int, length: int, steps: int) -> float:
-    """One compiled chunk alone (the engine thread stopped): ms per step, median of 15."""
+def run_chunks(engine, rows: int, length: int, steps: int, runs: int) -> list[float]:
+    """`runs` compiled chunks alone (the engine thread stopped), each from the start of the
+    rows again: the seconds of each."""
     import jax
 
     times = []
-    for _ in range(16):
+    for _ in range(runs):
         start = time.perf_counter()
         jax.block_until_ready(engine._chunk(steps, rows, length))
         times.append(time.perf_counter() - start)
         engine.pos[:] = 0
-    return 1e3 * statistics.median(times[1:]) / steps
+    return times
+
+
+def chunk_ms_per_step(engine, rows: int, length: int, steps: int) -> float:
+    """One compiled chunk alone: ms per step, median of 15 after one run."""
+    return 1e3 * statistics.median(run_chunks(engine, rows, length, steps, 16)[1:]) / steps
 
 
 def profile_chunks(engine, rows: int, length: int, steps: int, folder: Path) -> None:
     """5 chunks under jax.profiler; the device's work per step, where the trace has it."""
     import jax
 
-    jax.block_until_ready(engine._chunk(steps, rows, length))  # compiled and warm
-    engine.pos[:] = 0
+    run_chunks(engine, rows, length, steps, 1)  # compiled and warm
     with jax.profiler.trace(str(folder), create_perfetto_trace=True):
-        start = time.perf_counter()
-        for _ in range(5):
-            jax.block_until_ready(engine._chunk(steps, rows, length))
-            engine.pos[:] = 0
-        ms = 1e3 * (time.perf_counter() - start) / (5 * steps)
+        ms = 1e3 * sum(run_chunks(engine, rows, length, steps, 5)) / (5 * steps)
     trace = max(folder.glob("**/perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
     found = device_summary(trace, steps=5 * steps)
     print(f"\n{rows} row(s), cache length {length}: {ms:.3f} ms a step under the profiler; "

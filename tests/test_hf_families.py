@@ -41,8 +41,8 @@ from tokenizer import BPETokenizer
 from tokenizer.gpt2_files import write_tokenizer_json
 from tokenizer.pretokenize import PATTERNS
 
-LLAMA_LAYERS = ["model.norm=rmsnorm", "model.mlp=swiglu", "model.position=rope"]
 LLAMA_FIELDS = {"norm": "rmsnorm", "mlp": "swiglu", "position": "rope"}
+LLAMA_LAYERS = [f"model.{field}={value}" for field, value in LLAMA_FIELDS.items()]  # overrides
 
 # -- the allowlists (no transformers needed) --------------------------------------------------
 
