@@ -42,18 +42,24 @@ def texts(root: Path) -> Iterator[tuple[Path, bytes]]:
     yield dictionary, gzip.decompress(dictionary.read_bytes())
 
 
+def unpacked(packages: list[str], work: Path) -> Path:
+    """Download Debian `packages` into `work` (apt-get download) and extract them all into
+    one tree, `work`/tree, which is returned."""
+    work.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["apt-get", "download", *packages], cwd=work, check=True)
+    root = work / "tree"
+    for deb in sorted(work.glob("*.deb")):
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+        print(f"{Path(sys.argv[0]).stem}: {deb.name}", file=sys.stderr)
+    return root
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="the corpus file to write")
     parser.add_argument("--workdir", type=Path, help="where to download and extract")
     args = parser.parse_args()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-corpus-"))
-    work.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["apt-get", "download", *PACKAGES], cwd=work, check=True)
-    root = work / "tree"
-    for deb in sorted(work.glob("*.deb")):
-        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
-        print(f"make_bench_corpus: {deb.name}", file=sys.stderr)
+    root = unpacked(PACKAGES, args.workdir or Path(tempfile.mkdtemp(prefix="bench-corpus-")))
     size = files = 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", encoding="utf-8") as f:

@@ -23,6 +23,7 @@ SCRIPTS = [
     "bench_train",
     "eval_split",
     "export_hf",
+    "make_ttl_texts",
     "quantize",
     "vocab_vs_context",
 ]
@@ -195,3 +196,45 @@ def test_device_trace_counts_a_device_s_kernels_per_step(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": meta[1:] + events[-1:]}, f)
     assert summary(path, steps=2) is None
+
+
+def test_time_to_loss_texts_are_cut_from_the_packages_in_order(tmp_path, monkeypatch):
+    """make_ttl_texts assembles each text from its package's files in the documented order,
+    cut to length, and refuses a text that came out short."""
+    import gzip
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import make_ttl_texts as m
+
+    root = tmp_path / "tree"
+
+    def put(path: str, text: str, gz: bool = False) -> None:
+        f = root / path
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+
+    put("usr/share/dictd/gcide.dict.dz", "first half\nsecond\nhalf and more\n", gz=True)
+    sources = "usr/share/doc/python3.11/html/_sources"
+    for name in ("tutorial/b.rst.txt", "tutorial/a.rst.txt", "faq/z.rst.txt", "howto/h.rst.txt"):
+        put(f"{sources}/{name}", name.split("/")[1][0])
+    put(f"{sources}/extending/extending.rst.txt", "E")
+    put(f"{sources}/extending/newtypes_tutorial.rst.txt", "N")
+    put(f"{sources}/library/skipped.rst.txt", "X")
+    for name, text in [("perlop.pod", "o"), ("perlfaq1.pod", "q"), ("perlguts.pod", "X")]:
+        put(f"usr/share/perl/5.36/pod/{name}", text)
+    guide = "usr/share/doc/linux-doc-6.1/Documentation/admin-guide"
+    put(f"{guide}/b/x.rst.gz", "2", gz=True)
+    put(f"{guide}/a.rst.gz", "1", gz=True)
+    for name, text in [("zen", "Z"), ("art", "A"), ("art.dat", "X"), ("art.u8", "X")]:
+        put(f"usr/share/games/fortunes/{name}", text)
+
+    assert m.dictionary(root) == "half and more\n"  # from the line break after the midpoint
+    assert m.pydocs(root) == "abhzEN"  # tutorial, howto, faq, then the two extending pages
+    assert m.perl(root) == "qo"  # perlfaq*, perlop: sorted by path; perlguts is not taken
+    assert m.linux(root) == "12"
+    assert m.fortunes(root) == "AZ"
+
+    written = m.write_texts(root, tmp_path / "out", length=2)
+    assert [p.read_text() for p in written] == ["ha", "ab", "qo", "12", "AZ"]
+    with pytest.raises(SystemExit, match="perl has 2 characters, not 3"):
+        m.write_texts(root, tmp_path / "out", length=3)
