@@ -55,6 +55,7 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
         rows=serve.batch_size,
         queue_size=serve.queue_size,
         chunk_steps=serve.chunk_steps,
+        stream_interval_s=serve.stream_interval_s,
     )
     engine.start()
     host, port = listener.getsockname()[:2]

@@ -126,6 +126,8 @@ def test_round_trip_through_dict():
         ("model.moe_experts=5000", "model.moe_experts must be at most 1024"),
         ("model.moe_z_weight=nan", "model.moe_z_weight must be a finite number"),
         ("model.n_embd=1048576", "parameters, above the limit"),
+        ("serve.stream_interval_s=-0.5", "serve.stream_interval_s must be >= 0"),
+        ("serve.stream_interval_s=inf", "serve.stream_interval_s must be a finite number"),
     ],
 )
 def test_every_value_has_a_range(override, message):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from model.decoding.generate import generate_all
 from model.decoding.sampling_params import SEED_MAX, SamplingParams
 from model.network.attention import traced_for
-from model.serving.engine import Engine
+from model.serving.engine import DEFAULT_STREAM_INTERVAL_S, Engine
 from model.serving.requests import EngineStopping, QueueFull, Request
 from model.serving.text import StopText
 from plumbing.errors import UsageError
@@ -108,6 +108,31 @@ def test_generated_tokens_carry_their_logprobs(engine, model):
     )
     top = np.concatenate([t["top_ids"] for t in got.of("tokens")])
     assert np.all(top[:, 0] == tokens)  # greedy: each token is the most likely one
+
+
+def test_output_waits_for_the_stream_interval_and_loses_nothing(engine):
+    """With every chunk sent, a request gets an event per chunk; with a long interval, its
+    first chunk at once and the rest with its end: the same text and the same scores."""
+    ids, greedy = prompt_of(1, 10), SamplingParams(temperature=0.0)
+    got = {}
+    try:
+        for interval in (0.0, 60.0):
+            engine.stream_interval_s = interval  # read at admission; the engine is idle here
+            got[interval] = run(engine, ids, 24, logprobs=2, sampling=greedy)
+    finally:
+        engine.stream_interval_s = DEFAULT_STREAM_INTERVAL_S
+    every, held = got[0.0], got[60.0]
+    assert len(every.of("tokens")) >= 6  # a 1-step chunk after admission, then 4-step ones
+    assert len(held.of("tokens")) == len(held.of("text")) == 2
+    assert [k for k, _ in held.events] == ["tokens", "text", "tokens", "text", "done"]
+    assert "".join(held.of("text")) == "".join(every.of("text"))
+    for name in ("token", "logprob", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(
+            np.concatenate([t[name] for t in held.of("tokens")]),
+            np.concatenate([t[name] for t in every.of("tokens")]),
+        )
+    assert held.of("done") == every.of("done")
+    assert held.of("done")[0]["completion_tokens"] == 24
 
 
 def test_a_shared_prefix_is_reused_and_gives_the_cold_answer(engine, model):

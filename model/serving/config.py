@@ -26,6 +26,7 @@ class ServeConfig:
     max_tokens: int = 1024  # the most `max_tokens` a request may ask for
     default_max_tokens: int = 16  # when a request gives none (OpenAI's completions default)
     chunk_steps: int = 8  # decode steps per compiled call: throughput vs streaming latency
+    stream_interval_s: float = 0.02  # a request's text is sent at most this often (0: each chunk)
     max_request_bytes: int = 4 << 20  # a larger body is refused (413) before it is read
     # Against hostile clients (docs/serving.md, "Security"):
     max_buffered_bytes: int = 64 << 20  # request bodies held at once, all requests together
@@ -44,6 +45,7 @@ class ServeConfig:
         for key in ("batch_size", "queue_size", "max_tokens", "default_max_tokens"):
             checks.positive(f"serve.{key}", getattr(self, key))
         checks.positive("serve.chunk_steps", self.chunk_steps)
+        checks.non_negative("serve.stream_interval_s", self.stream_interval_s)
         for key in ("max_request_bytes", "max_buffered_bytes", "max_connections"):
             checks.positive(f"serve.{key}", getattr(self, key))
         for key in ("request_timeout_s", "header_timeout_s"):

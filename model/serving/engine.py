@@ -19,10 +19,10 @@ starts from a copy of the cache row whose kept prompt shares the longest start w
 are kept with the row when they were computed.
 
 Threading contract: the engine thread alone owns the batch, the rows (`slots`, `pos`,
-`texts`, the kept prefixes) and every compiled call; before `start` returns, the thread that
-calls it stands in for the engine thread. Other threads touch only the waiting queue and the
-status, under `_lock`, and a request's `cancelled` event. `submit` raises QueueFull when the
-queue is full and EngineStopping once the engine drains or stops.
+`texts`, `outboxes`, the kept prefixes) and every compiled call; before `start` returns, the
+thread that calls it stands in for the engine thread. Other threads touch only the waiting
+queue and the status, under `_lock`, and a request's `cancelled` event. `submit` raises
+QueueFull when the queue is full and EngineStopping once the engine drains or stops.
 
     >>> engine = Engine(model, tokenizer, rows=16, queue_size=64)     # doctest: +SKIP
     >>> engine.start()  # doctest: +SKIP
@@ -35,6 +35,7 @@ import collections
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ from model.decoding.steps import PAD_ID, chunk_outputs, start_carry, window_size
 from model.network.gpt import GPT
 from model.network.params import sampling_device
 from model.serving.batch import batch_settings, empty_batch, put_row, set_row_settings, take_row
+from model.serving.outbox import Outbox
 from model.serving.prefix import KeptPrefix, reuse_source
 from model.serving.programs import EnginePrograms
 from model.serving.requests import EngineStopping, QueueFull, Request
@@ -56,6 +58,7 @@ from model.serving.text import StopText
 from tokenizer import Tokenizer
 
 DEFAULT_CHUNK_STEPS = 8
+DEFAULT_STREAM_INTERVAL_S = 0.02  # a row's output is sent at most this often
 log = logging.getLogger("tinyllm")
 
 
@@ -80,10 +83,12 @@ class Engine:
         rows: int,
         queue_size: int,
         chunk_steps: int = DEFAULT_CHUNK_STEPS,
+        stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
     ) -> None:
         check_memory(model.cfg, rows + 1, use_cache=True)
         self.model, self.tokenizer = model, tokenizer
         self.rows, self.queue_size, self.chunk_steps = rows, queue_size, chunk_steps
+        self.stream_interval_s = stream_interval_s
         self.size = model.cfg.block_size
         self.window = window_size(self.size)
         self.stop_token = stop_token_of(tokenizer)
@@ -101,6 +106,7 @@ class Engine:
         self.pos = np.zeros(rows, np.int32)  # host copy of each row's position
         self.slots: list[Request | None] = [None] * rows
         self.texts: list[StopText | None] = [None] * rows
+        self.outboxes: list[Outbox | None] = [None] * rows
         self.kept: list[KeptPrefix | None] = [None] * rows
         self._in_flight: Launched | None = None  # the chunk launched last, not yet delivered
         # -- shared, under _lock --
@@ -286,6 +292,7 @@ class Engine:
         set_row_settings(self.settings, slot, request.sampling, self.stop_token)
         self.slots[slot] = request
         self.texts[slot] = StopText(request.stop)
+        self.outboxes[slot] = Outbox(self.stream_interval_s)
         with self._lock:
             self.counts["busy_rows"] += 1
             if start:
@@ -364,11 +371,16 @@ class Engine:
         sent = request.generated - before
         with self._lock:
             self.counts["tokens_served"] += sent
-        if request.logprobs is not None and sent:
-            request.on_event("tokens", {k: v[slot, :sent] for k, v in out.items()})
-        piece = "".join(pieces)
-        if piece:
-            request.on_event("text", piece)
+        box = self.outboxes[slot]
+        scored = request.logprobs is not None and sent
+        box.hold("".join(pieces), {k: v[slot, :sent] for k, v in out.items()} if scored else None)
+        now = time.perf_counter()
+        if finish is not None or box.due(now):
+            piece, scores = box.take(now)
+            if scores is not None:
+                request.on_event("tokens", scores)
+            if piece:
+                request.on_event("text", piece)
         if finish is not None:
             self._finish(slot, finish)
 
@@ -390,6 +402,7 @@ class Engine:
                 self.counts["busy_rows"] -= 1
         self.slots[slot] = None
         self.texts[slot] = None
+        self.outboxes[slot] = None
         self.pos[slot] = 0
 
     def _fail_all(self, reason: str) -> None:
