@@ -372,7 +372,7 @@ class Engine:
         with self._lock:
             self.counts["tokens_served"] += sent
         box = self.outboxes[slot]
-        scored = request.logprobs is not None and sent
+        scored = request.logprobs is not None and sent > 0
         box.hold("".join(pieces), {k: v[slot, :sent] for k, v in out.items()} if scored else None)
         now = time.perf_counter()
         if finish is not None or box.due(now):
