@@ -233,6 +233,31 @@ def test_a_killed_process_stops_the_other(tmp_path, corpus_file, single_run, vic
         assert noise not in out, out[-3000:]
 
 
+def test_a_collective_failing_as_a_value_error_is_a_lost_peer(monkeypatch, capfd):
+    """Some calls report a collective whose peer died as a ValueError with XLA's status (seen
+    in the allgather that agrees on stopping): that is our one line too, not a traceback."""
+    import jax
+
+    from model.processes import distributed
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed, "exit_if_distributed", exit_now)
+    lost = ValueError("UNKNOWN: Gloo AllGather failed: [pair.cc:538] Connection reset by peer")
+    with pytest.raises(Exited):
+        distributed.stop_after_peer_failure(lost)
+    err = capfd.readouterr().err
+    assert err.startswith(f"tinyllm: error: training process {jax.process_index()} lost another")
+    assert "Gloo AllGather failed" in err
+    # A ValueError of our own code stays a bug, with its traceback (the caller re-raises).
+    assert distributed.stop_after_peer_failure(ValueError("bad literal")) is None
+
+
 def wait_for_text(log: Path, text: str, timeout_s: float = 10) -> str:
     """The log once it holds `text`: after a C++ abort, the stderr filter process writes its
     line as the pipe closes, a moment after the training process is gone."""

@@ -254,8 +254,8 @@ def check_single_process_stages(tokenize: bool, inference: bool) -> None:
 
 
 def stop_after_peer_failure(err: BaseException) -> None:
-    """In a multi-process run, a JAX runtime error (typically a collective whose peer died)
-    ends this process at once with one line on stderr, exit code 1.
+    """In a multi-process run, a JAX runtime failure (typically a collective whose peer died;
+    `is_runtime_failure`) ends this process at once with one line on stderr, exit code 1.
 
     A normal exit would wait at JAX's shutdown barrier for a process that will never come.
     Returns (the caller re-raises) when JAX is not distributed or the error is another kind.
@@ -263,7 +263,7 @@ def stop_after_peer_failure(err: BaseException) -> None:
     jax = sys.modules.get("jax")
     if jax is None or not jax.distributed.is_initialized():
         return
-    if not isinstance(err, jax.errors.JaxRuntimeError):
+    if not is_runtime_failure(err, jax.errors.JaxRuntimeError):
         return
     text = str(err).strip()
     first = text.splitlines()[0][:300] if text else type(err).__name__
@@ -272,6 +272,27 @@ def stop_after_peer_failure(err: BaseException) -> None:
     # the filter there (stderr_guard.py) prints only the first of the two lines.
     os.write(2, (lost_peer_line(jax.process_index(), first) + "\n").encode())
     exit_if_distributed(1)
+
+
+# How XLA's runtime names a failed status; a collective whose peer died fails with one of these.
+_STATUS_CODES = ("UNKNOWN", "INTERNAL", "UNAVAILABLE", "ABORTED", "CANCELLED", "DEADLINE_EXCEEDED")
+
+
+def is_runtime_failure(err: BaseException, runtime_error: type = RuntimeError) -> bool:
+    """Whether `err` is XLA's runtime failing: `runtime_error` (jax.errors.JaxRuntimeError),
+    or a ValueError carrying a failed status, which is how some calls report a collective
+    whose peer died ("UNKNOWN: Gloo AllGather failed: ... Connection reset by peer").
+
+    >>> is_runtime_failure(ValueError("UNKNOWN: Gloo AllGather failed: Read error"))
+    True
+    >>> is_runtime_failure(ValueError("invalid literal for int() with base 10: 'x'"))
+    False
+    """
+    if isinstance(err, runtime_error):
+        return True
+    return isinstance(err, ValueError) and str(err).startswith(
+        tuple(f"{code}: " for code in _STATUS_CODES)
+    )
 
 
 def exit_if_distributed(code: int) -> None:
