@@ -140,7 +140,7 @@ def wandb_history(path: Path) -> list[dict]:
 
 
 def test_wandb_offline_run_holds_the_history(tmp_path, corpus_file, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing in ~
@@ -153,6 +153,10 @@ def test_wandb_offline_run_holds_the_history(tmp_path, corpus_file, monkeypatch)
     run_train(cfg, run_dir)
     resumed = tiny_config(corpus_file, "train.max_steps=8", "train.tracker=wandb")
     run_train(resumed, run_dir, resume=True)
+    # run.finish() only tells wandb's service process that the run is done: the service
+    # writes the file's last records afterwards. teardown() waits for the service to end,
+    # as the interpreter's exit does for a user's run.
+    wandb.teardown()
 
     run_id = (run_dir / "wandb" / "run_id").read_text().strip()
     files = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
