@@ -54,7 +54,7 @@ from model.serving.outbox import Outbox
 from model.serving.prefix import KeptPrefix, reuse_source
 from model.serving.programs import EnginePrograms
 from model.serving.requests import EngineStopping, QueueFull, Request
-from model.serving.text import StopText
+from model.serving.text import StopText, read_tokens
 from tokenizer import Tokenizer
 
 DEFAULT_CHUNK_STEPS = 8
@@ -128,8 +128,7 @@ class Engine:
         for scored in (False, True):
             for width in self.programs.prefill_widths:
                 self._admit(0, Request([0] * (width + 1), 2, _ignore, logprobs=0, echo=scored))
-                self._release(0)
-                self.kept[0] = None  # so the next width runs cold
+                self._release(0, forget=True)  # so the next width runs cold
         self._admit(0, Request([0] * min(self.window + 2, self.size), 2, _ignore))
         # A chunk of one step, and with fixed step counts also the whole chunk's program.
         counts = [1, self.chunk_steps] if self.programs.fixed_counts else [1]
@@ -141,8 +140,7 @@ class Engine:
                     continue
                 jax.block_until_ready(self._chunk(steps, rows, length))
         self._slide(0, force=True)
-        self._release(0)
-        self.kept[0] = None
+        self._release(0, forget=True)
         self._thread.start()
 
     def submit(self, request: Request) -> None:
@@ -258,8 +256,7 @@ class Engine:
             work(*args)
         except Exception as err:
             log.exception("serve: a request failed")
-            self._release(slot)
-            self.kept[slot] = None
+            self._release(slot, forget=True)
             if not request.cancelled.is_set():
                 # its own callback may be what failed: then there is nothing more to tell
                 with contextlib.suppress(Exception):
@@ -351,29 +348,16 @@ class Engine:
         if request.cancelled.is_set():
             self._release(slot)
             return
-        finish = None
-        pieces = []
-        before = request.generated
-        for token in out["token"][slot].tolist():
-            if token == PAD_ID or token == self.stop_token:
-                finish = "stop"
-                break
-            request.generated += 1
-            pieces.append(text.feed(self.tokenizer.decode_bytes([token])))
-            if text.stopped:
-                finish = "stop"
-                break
-            if request.generated >= request.max_tokens:
-                finish = "length"
-                break
-        if finish is not None:
-            pieces.append(text.finish())
-        sent = request.generated - before
+        piece, sent, finish = read_tokens(
+            out["token"][slot].tolist(), text, self.tokenizer.decode_bytes,
+            ends=(PAD_ID, self.stop_token), room=request.max_tokens - request.generated,
+        )  # fmt: skip
+        request.generated += sent
         with self._lock:
             self.counts["tokens_served"] += sent
         box = self.outboxes[slot]
         scored = request.logprobs is not None and sent > 0
-        box.hold("".join(pieces), {k: v[slot, :sent] for k, v in out.items()} if scored else None)
+        box.hold(piece, {k: v[slot, :sent] for k, v in out.items()} if scored else None)
         now = time.perf_counter()
         if finish is not None or box.due(now):
             piece, scores = box.take(now)
@@ -387,16 +371,11 @@ class Engine:
     def _finish(self, slot: int, reason: str) -> None:
         request = self.slots[slot]
         self._release(slot)
-        request.on_event(
-            "done",
-            {
-                "finish_reason": reason,
-                "prompt_tokens": len(request.prompt_ids),
-                "completion_tokens": request.generated,
-            },
-        )
+        counts = {"prompt_tokens": len(request.prompt_ids), "completion_tokens": request.generated}
+        request.on_event("done", {"finish_reason": reason, **counts})
 
-    def _release(self, slot: int) -> None:
+    def _release(self, slot: int, forget: bool = False) -> None:
+        """Free row `slot`; with `forget`, also drop the prompt it keeps for reuse."""
         if self.slots[slot] is not None:
             with self._lock:
                 self.counts["busy_rows"] -= 1
@@ -404,6 +383,8 @@ class Engine:
         self.texts[slot] = None
         self.outboxes[slot] = None
         self.pos[slot] = 0
+        if forget:
+            self.kept[slot] = None
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

@@ -14,11 +14,15 @@ be held back.
     >>> text = StopText(["\\n\\n"])
     >>> text.feed(b"Hello\\n"), text.feed(b"\\nWorld"), text.stopped
     ('Hello', '', True)
+
+A decode chunk's tokens for one request go through `read_tokens`, which also says whether
+the request ended among them.
 """
 
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable, Collection
 
 
 class StopMatcher:
@@ -82,3 +86,39 @@ class StopText:
         cut = len(text) - held
         self.unsent = text[cut:]
         return text[:cut]
+
+
+def read_tokens(
+    tokens: list[int],
+    text: StopText,
+    decode: Callable[[list[int]], bytes],
+    ends: Collection[int],
+    room: int,
+) -> tuple[str, int, str | None]:
+    """Feed a request's new `tokens` to its `text`, at most `room` (>= 1) of them: (the text
+    safe to send, how many tokens it used, why the request ended: "stop" at a token of `ends`
+    (not counted) or a stop string, "length" when `room` ran out, None while it goes on).
+
+    >>> read_tokens([72, 105, 0, 33], StopText([]), bytes, ends={0}, room=8)
+    ('Hi', 2, 'stop')
+    >>> read_tokens([72, 105, 33], StopText([]), bytes, ends={0}, room=2)
+    ('Hi', 2, 'length')
+    >>> read_tokens([72, 105, 33], StopText(["i!"]), bytes, ends={0}, room=8)
+    ('H', 3, 'stop')
+    """
+    pieces, used, finish = [], 0, None
+    for token in tokens:
+        if token in ends:
+            finish = "stop"
+            break
+        used += 1
+        pieces.append(text.feed(decode([token])))
+        if text.stopped:
+            finish = "stop"
+            break
+        if used >= room:
+            finish = "length"
+            break
+    if finish is not None:
+        pieces.append(text.finish())
+    return "".join(pieces), used, finish
