@@ -358,7 +358,7 @@ def test_a_serving_chunk_writes_each_rows_entries_at_its_start_and_nothing_else(
     """A serving chunk's keys go into the cache at its end (`write_window`): row r's first
     count[r] entries at slots start[r].., also where the chunk's window would pass the
     cache's end; every other slot, and every row past the chunk's rows, keeps its value."""
-    from model.network.attention import write_window
+    from model.network.kv_writes import write_window
 
     rng = np.random.default_rng(0)
     b, h, s, d, c = 6, 2, 12, 3, 4
@@ -381,7 +381,7 @@ def test_a_batch_writes_its_rows_alike_by_loop_and_by_scatter(t):
     """A serving batch writes each row's keys at its own position: by in-place slice writes in
     a loop on a CPU, by one scatter elsewhere (a GPU pays a host round trip per loop turn).
     Both give the same cache, and each platform's program holds its own form."""
-    from model.network.attention import scatter_rows, write_cache, write_rows_in_loop
+    from model.network.kv_writes import scatter_rows, write_cache, write_rows_in_loop
 
     rng = np.random.default_rng(t)
     b, h, s, d = 5, 3, 16, 4

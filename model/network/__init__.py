@@ -3,6 +3,7 @@
 config.py       ModelConfig: the network's hyperparameters (the [model] section)
 gpt.py          the decoder: embeddings, blocks, output layer, KV-cache decode
 attention.py    causal self-attention (reference, XLA and cuDNN paths)
+kv_writes.py    how new keys and values go into the KV cache (decoding, serving chunks)
 layers.py       norms and MLPs (GELU, SwiGLU) and the factories blocks use
 moe.py          mixture of experts: router, capacity, auxiliary losses
 rope.py         rotary position embeddings

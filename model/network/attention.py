@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.network.config import ModelConfig
+from model.network.kv_writes import write_cache, write_recent
 from model.network.layers import linear
 from model.network.precision import mixed_product_precision
 from model.network.rope import apply_rope
@@ -50,7 +51,7 @@ from model.network.value_embed import ValueEmbedding
 from plumbing.errors import UsageError
 
 # {"k": [B, H, S, Dh], "v": ...}; in a serving chunk's steps also "recent_k", "recent_v"
-# ([B, H, C, Dh], the chunk's own) and "at" (the step), see `write_recent`
+# ([B, H, C, Dh], the chunk's own) and "at" (the step), see `kv_writes.write_recent`
 LayerCache = dict[str, jax.Array]
 
 CUDNN_MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -235,82 +236,15 @@ def position_mask(query_pos_BxT: jax.Array, num_keys: int) -> jax.Array:
     return jnp.arange(num_keys) <= query_pos_BxT[..., None]
 
 
-def write_cache(slots_BxHxSxD: jax.Array, new_BxTxHxD: jax.Array, positions_BxT) -> jax.Array:
-    """The cache with this call's keys (or values) written at their positions: one slice
-    write when every row is at the same position ([1, T] positions); else (a serving chunk's
-    keys at its end, [B, 1]) a write per row, whose form depends on the platform
-    (`jax.lax.platform_dependent`, chosen when the program is lowered): on a CPU, in-place
-    slice writes in a loop, which XLA:CPU runs faster than a scatter; elsewhere one scatter,
-    since each turn of a loop costs a GPU a round trip to the host (on an H100, when every
-    step wrote this way, a 16-row decode step of an 11M model took 1.9-2.3 ms with the loop,
-    0.33-0.38 ms with the scatter, as one row's step does)."""
-    new_BxHxTxD = new_BxTxHxD.transpose(0, 2, 1, 3).astype(slots_BxHxSxD.dtype)
-    if positions_BxT.shape[0] == 1:
-        return jax.lax.dynamic_update_slice(
-            slots_BxHxSxD, new_BxHxTxD, (0, 0, positions_BxT[0, 0], 0)
-        )
-    return jax.lax.platform_dependent(
-        slots_BxHxSxD, new_BxHxTxD, positions_BxT, cpu=write_rows_in_loop, default=scatter_rows
-    )
-
-
-def write_recent(recent_BxHxCxD: jax.Array, new_Bx1xHxD: jax.Array, at) -> jax.Array:
-    """A serving chunk's buffer of its own keys (or values) with this step's written at slot
-    `at` of every row: one slice write, where a write into the cache would be one per row."""
-    new_BxHx1xD = new_Bx1xHxD.transpose(0, 2, 1, 3).astype(recent_BxHxCxD.dtype)
-    return jax.lax.dynamic_update_slice(recent_BxHxCxD, new_BxHx1xD, (0, 0, at, 0))
-
-
 def chunk_mask(positions_Bx1: jax.Array, at, num_cached: int, num_recent: int) -> jax.Array:
-    """[B, 1, S + C] mask of step `at` of a serving chunk (`write_recent`): a row at position
-    p sees the cache's slots before its chunk began (p - at), and the chunk's keys 0..at."""
+    """[B, 1, S + C] mask of step `at` of a serving chunk (its buffer: kv_writes.write_recent):
+    a row at position p sees the cache's slots before its chunk began (p - at), and the
+    chunk's keys 0..at."""
     start_Bx1x1 = (positions_Bx1 - at)[..., None]
     cached_Bx1xS = jnp.arange(num_cached) < start_Bx1x1
     recent_C = jnp.arange(num_recent) <= at
     recent_Bx1xC = jnp.broadcast_to(recent_C, (*start_Bx1x1.shape[:2], num_recent))
     return jnp.concatenate([cached_Bx1xS, recent_Bx1xC], axis=-1)
-
-
-def write_window(
-    slots_BxHxSxD: jax.Array, recent_RxHxCxD: jax.Array, start_R: jax.Array, count_R: jax.Array
-) -> jax.Array:
-    """The cache with a serving chunk's keys (or values) written in, at the end of the chunk:
-    row r's first count_R[r] entries at slots start_R[r].. (rows past R untouched).
-    Each row writes one window of C slots, moved left where it would pass the cache's end
-    (the host keeps every valid slot inside); slots of the window without a valid entry keep
-    what they held."""
-    r, _, c, _ = recent_RxHxCxD.shape
-    window_R = jnp.minimum(start_R, slots_BxHxSxD.shape[2] - c)
-    slot_RxC = window_R[:, None] + jnp.arange(c)
-    index_RxC = slot_RxC - start_R[:, None]  # which entry of the chunk lands on each slot
-    keep_RxC = (index_RxC >= 0) & (index_RxC < count_R[:, None])
-    old_RxCxHxD = slots_BxHxSxD[jnp.arange(r)[:, None], :, slot_RxC, :]
-    index_Rx1xCx1 = jnp.clip(index_RxC, 0, c - 1)[:, None, :, None]
-    new_RxCxHxD = jnp.take_along_axis(recent_RxHxCxD, index_Rx1xCx1, axis=2).transpose(0, 2, 1, 3)
-    window_RxCxHxD = jnp.where(keep_RxC[..., None, None], new_RxCxHxD, old_RxCxHxD)
-    return write_cache(slots_BxHxSxD, window_RxCxHxD, window_R[:, None])
-
-
-def write_rows_in_loop(slots_BxHxSxD, new_BxHxTxD, positions_BxT) -> jax.Array:
-    """Row b's T entries written at positions_BxT[b, 0].. by one in-place slice write each."""
-
-    def write_row(b, slots):
-        row = jax.lax.dynamic_index_in_dim(new_BxHxTxD, b, axis=0)
-        return jax.lax.dynamic_update_slice(slots, row, (b, 0, positions_BxT[b, 0], 0))
-
-    return jax.lax.fori_loop(0, new_BxHxTxD.shape[0], write_row, slots_BxHxSxD)
-
-
-def scatter_rows(slots_BxHxSxD, new_BxHxTxD, positions_BxT) -> jax.Array:
-    """The same writes as `write_rows_in_loop`, as one scatter (the caller keeps every
-    position inside the cache)."""
-    b, _, t, _ = new_BxHxTxD.shape
-    rows_Bx1 = jnp.arange(b)[:, None]
-    slots_BxT = positions_BxT[:, :1] + jnp.arange(t)
-    # Advanced indices around a slice put their broadcast dims first: [B, T, H, D].
-    return slots_BxHxSxD.at[rows_Bx1, :, slots_BxT, :].set(
-        new_BxHxTxD.transpose(0, 2, 1, 3), unique_indices=True
-    )
 
 
 class CausalSelfAttention(nnx.Module):
@@ -367,8 +301,8 @@ class CausalSelfAttention(nnx.Module):
     ) -> tuple[jax.Array, LayerCache | None]:
         """Attend; with a cache, write this call's k/v at positions_T[0] and attend over it
         (in a serving chunk's step, a cache with a buffer of the chunk's own keys: write them
-        there, see `write_recent`). tokens_BxT: the ids of this call's tokens (needed with a
-        value embedding).
+        there, see `kv_writes.write_recent`). tokens_BxT: the ids of this call's tokens (needed
+        with a value embedding).
 
         positions_BxT are the absolute positions of the T tokens (consecutive), [1, T] for
         every row alike or [B, 1] for a position per row (a serving batch's decode step). The

@@ -40,9 +40,9 @@ from flax import nnx
 from model.decoding.sampling import sample_logits, token_scores
 from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import PAD_ID, carry_layout, run_steps, zeros_like_layout
-from model.network.attention import write_window
 from model.network.config import ModelConfig
 from model.network.gpt import GPT, cache_layout
+from model.network.kv_writes import write_window
 from model.network.params import sampling_device
 
 ROW_FIELDS = ("cache", "ctx", "pending", "done")  # [1, ...] in a row carry, [B, ...] here
