@@ -371,21 +371,21 @@ def test_host_checksums_equal_the_device_ones(monkeypatch, dtype):
     import jax
     import jax.numpy as jnp
 
-    from model.rundir import checkpoints as checkpoint
+    from model.rundir import checksums
 
-    monkeypatch.setattr(checkpoint, "_HOST_BLOCK", 1000)  # a leaf of several blocks
+    monkeypatch.setattr(checksums, "_HOST_BLOCK", 1000)  # a leaf of several blocks
     rng = np.random.default_rng(0)
     leaves = [rng.standard_normal(shape) * 1e3 for shape in [(), (7,), (3, 1111), (2, 2, 999)]]
     if dtype == "bool":
         leaves = [x > 0 for x in leaves]
     arrays = [jnp.asarray(x).astype(dtype) for x in leaves]
-    on_device = [int(d) for d in checkpoint._checksums_on_device(arrays)]
-    assert checkpoint.tree_checksums(arrays) == on_device  # numpy's path on one CPU device
+    on_device = [int(d) for d in checksums.checksums_on_device(arrays)]
+    assert checksums.tree_checksums(arrays) == on_device  # numpy's path on one CPU device
     if jax.default_backend() == "cpu":  # elsewhere the device's path serves both sides
-        assert all(checkpoint._readable_in_place(x) for x in arrays)
+        assert all(checksums.readable_in_place(x) for x in arrays)
     flipped = np.asarray(arrays[2]).copy()
     flipped.reshape(-1).view(np.uint8)[1234] ^= 1  # one bit
-    assert checkpoint.tree_checksums([jax.device_put(flipped)]) != [on_device[2]]
+    assert checksums.tree_checksums([jax.device_put(flipped)]) != [on_device[2]]
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 6])

@@ -5,7 +5,7 @@ Layout: `run_dir/checkpoints/<step>/{params, opt_state, meta}`. Params and optim
 separate items so inference restores the params alone. `meta` holds the step, the resolved
 config, the tokenizer's hash and anything else needed to continue exactly (data and PRNG state
 are functions of (seed, step), so the step is that state), plus a checksum of every array
-saved (`checksums`, see `tree_checksums`).
+saved (`checksums`, see model/rundir/checksums.py).
 
 Restoring verifies those checksums. A checkpoint that cannot be read or does not match its
 checksums is *damaged*: `restore_newest` falls back to the newest intact one and says so in one
@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from model.processes.distributed import is_primary
+from model.rundir.checksums import tree_checksums
 from model.rundir.layout import CHECKPOINT_DIR, DAMAGED_DIR, checkpoint_steps
 from plumbing.errors import UsageError
 from plumbing.lazy import import_in_background
@@ -294,93 +294,11 @@ class Checkpoints:
             shutil.rmtree(self.directory / DELETING_SUBDIR, ignore_errors=True)
 
 
-# -- checksums -----------------------------------------------------------------------------
-
-
-@jax.jit
-def _checksums_on_device(leaves: list[jax.Array]) -> list[jax.Array]:
-    return [_leaf_checksum(x) for x in leaves]
-
-
-def _leaf_checksum(x: jax.Array) -> jax.Array:
-    """A uint32 digest of an array's bits: sum of word_i * (2i + 1), wrapping mod 2**32.
-
-    Integer sums are exact and order-free, so the digest does not depend on sharding or
-    device count, and it runs where the array lives (no copy to the host). The odd weights
-    make every single-bit change, and every swap of two different words, change the digest.
-    """
-    if x.dtype == jnp.bool_:
-        words = x.astype(jnp.uint32)
-    elif x.dtype.itemsize == 4:
-        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    elif x.dtype.itemsize == 2:
-        words = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-    elif x.dtype.itemsize == 1:
-        words = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
-    else:  # 8-byte types: two uint32 words each
-        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    words = words.reshape(-1)
-    weights = jnp.arange(words.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
-    return jnp.sum(words * weights, dtype=jnp.uint32)
-
-
-def tree_checksums(tree: Any) -> list[int]:
-    """One uint32 digest per array leaf of `tree` (jax or numpy), in
-    `jax.tree_util.tree_leaves` order.
-
-    >>> tree_checksums({"w": jnp.zeros(3)})
-    [0]
-    """
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array | np.ndarray)]
-    # In host memory already: numpy gives the same digests without compiling a program
-    # (what loading a checkpoint for sampling would otherwise spend most of its time on).
-    on_host = [_readable_in_place(x) for x in leaves]
-    elsewhere = [jnp.asarray(x) for x, here in zip(leaves, on_host, strict=True) if not here]
-    digests = iter(_checksums_on_device(elsewhere) if elsewhere else ())
-    # Replicated scalars: any local copy holds the value (also with several processes).
-    return [
-        _host_checksum(np.asarray(x))
-        if here
-        else int(np.asarray(next(digests).addressable_data(0)))
-        for x, here in zip(leaves, on_host, strict=True)
-    ]
-
-
-def _readable_in_place(x: jax.Array | np.ndarray) -> bool:
-    """Whether numpy can read the whole array where it lies, with words of at most 4 bytes
-    (8-byte types go to the device path, whose word order is XLA's): a numpy array, or a
-    jax.Array on one CPU device."""
-    if x.dtype.itemsize > 4:
-        return False
-    if isinstance(x, np.ndarray):
-        return True
-    devices = x.sharding.device_set
-    return x.is_fully_addressable and len(devices) == 1 and next(iter(devices)).platform == "cpu"
-
-
 def _all_addressable(tree: Any) -> bool:
     """Whether this process holds every array of `tree` whole (one process, any devices)."""
     return all(
         x.is_fully_addressable for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)
     )
-
-
-_HOST_BLOCK = 1 << 20  # words per numpy step: bounds the temporary arrays of a large leaf
-
-
-def _host_checksum(x: np.ndarray) -> int:
-    """`_leaf_checksum` in numpy: uint32 arithmetic wraps mod 2**32 as XLA's does."""
-    if x.dtype == np.bool_:
-        words = x.reshape(-1).astype(np.uint32)
-    else:
-        unsigned = {4: np.uint32, 2: np.uint16, 1: np.uint8}[x.dtype.itemsize]
-        words = np.ascontiguousarray(x).reshape(-1).view(unsigned)
-    total = 0
-    for start in range(0, words.size, _HOST_BLOCK):
-        block = words[start : start + _HOST_BLOCK].astype(np.uint32)
-        weights = np.arange(start, start + block.size, dtype=np.uint32) * np.uint32(2) + 1
-        total += int(np.sum(block * weights, dtype=np.uint32))
-    return total % 2**32
 
 
 def _verify(saved: Any, tree: Any, what: str) -> None:
