@@ -22,6 +22,7 @@ from model.interop.hf_import import load_hf_model
 from model.network.config import ModelConfig
 from model.rundir.trained import open_trained_run
 from plumbing.errors import UsageError
+from tests.test_hf_export import same_greedy_text
 from tests.test_hf_gpt2 import (  # noqa: F401 (corpus, hf: fixtures)
     FINETUNE_SETTINGS,
     ODD_TEXTS,
@@ -31,7 +32,6 @@ from tests.test_hf_gpt2 import (  # noqa: F401 (corpus, hf: fixtures)
     greedy_from,
     hf,
     run_cli,
-    same_greedy_text,
     torch_logits,
 )
 from tests.test_quant import assert_one_line_error
