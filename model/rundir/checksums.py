@@ -24,9 +24,8 @@ def checksums_on_device(leaves: list[jax.Array]) -> list[jax.Array]:
 def _leaf_checksum(x: jax.Array) -> jax.Array:
     """A uint32 digest of an array's bits: sum of word_i * (2i + 1), wrapping mod 2**32.
 
-    Integer sums are exact and order-free, so the digest does not depend on sharding or
-    device count, and it runs where the array lives (no copy to the host). The odd weights
-    make every single-bit change, and every swap of two different words, change the digest.
+    It runs where the array lives (no copy to the host). The odd weights make every
+    single-bit change, and every swap of two different words, change the digest.
     """
     if x.dtype == jnp.bool_:
         words = x.astype(jnp.uint32)
