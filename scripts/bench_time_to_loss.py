@@ -16,7 +16,10 @@ For each text, one program after the other (never at once):
    batches (20 are too few to compare against), from a second, untimed call that resumes the
    checkpoint and only evaluates.
 2. tinyllm: `tinyllm.py --tokenize --train --config CONFIG --input TEXT` in a fresh run
-   directory; its final validation loss (200 batches of the last 10%) and wall time.
+   directory, timed (the fast config evaluates 20 batches at the end, as nanoGPT's command
+   does at each evaluation). Its target-comparable loss is measured as nanoGPT's: on 200
+   validation batches of the last 10%, from a second, untimed call (`scripts/eval_split.py
+   --batches 200`, training's own evaluation on the saved checkpoint).
 Both times are whole processes: start-up, data preparation, compilation, training,
 evaluation and checkpoints. The table gives the time ratio and whether tinyllm's loss is at
 or below nanoGPT's.
@@ -57,10 +60,11 @@ FAST_CONFIG = ROOT / "configs" / "shakespeare_char_fast.toml"
 # that the last iteration's weights are there to evaluate.
 _NANOGPT_RUN = ["train.py", *NANOGPT_ARGS, "--max_iters=2000", "--lr_decay_iters=2000"]
 NANOGPT_COMMAND = [*_NANOGPT_RUN, "--always_save_checkpoint=True"]
-# Untimed: the saved iteration-2000 model's loss on 200 validation batches. Resumed at 2000,
-# train.py evaluates first (2000 is a multiple of its eval_interval); the one step it then
-# takes before stopping is not looked at.
-NANOGPT_TARGET = [*_NANOGPT_RUN, "--eval_iters=200", "--init_from=resume"]
+# Untimed: the saved iteration-2000 model's loss on --target-batches (200) validation
+# batches, its --eval_iters, added at the call. Resumed at 2000, train.py evaluates first
+# (2000 is a multiple of its eval_interval); the one step it then takes before stopping is not
+# looked at.
+NANOGPT_TARGET = [*_NANOGPT_RUN, "--init_from=resume"]
 NANOGPT_FILES = ["train.py", "model.py", "configurator.py", "config"]
 # The fast config with one recipe option undone or added at a time: (name, overrides).
 ABLATIONS = [
@@ -105,7 +109,7 @@ def timed(command: list[str], cwd: Path) -> tuple[float, str]:
     return seconds, done.stdout + done.stderr
 
 
-def run_nanogpt(nanogpt: Path, python: str, text: Path) -> dict:
+def run_nanogpt(nanogpt: Path, python: str, text: Path, target_batches: int) -> dict:
     """nanoGPT's README CPU command on `text`, in a scratch copy of its checkout."""
     with tempfile.TemporaryDirectory(prefix="nanogpt-") as scratch:
         work = Path(scratch)
@@ -121,7 +125,8 @@ def run_nanogpt(nanogpt: Path, python: str, text: Path) -> dict:
         timed([python, "prepare.py"], data)
         _, log = timed([python, *NANOGPT_COMMAND, f"--out_dir={work / 'out'}"], work)
         seconds = time.perf_counter() - start
-        _, target_log = timed([python, *NANOGPT_TARGET, f"--out_dir={work / 'out'}"], work)
+        target = [*NANOGPT_TARGET, f"--eval_iters={target_batches}"]
+        _, target_log = timed([python, *target, f"--out_dir={work / 'out'}"], work)
     return {
         "seconds": seconds,
         "val_loss": _nanogpt_val_loss(target_log, step=2000),
@@ -137,17 +142,22 @@ def _nanogpt_val_loss(log: str, step: int) -> float:
     return float(found[0])
 
 
-def run_tinyllm(config: Path, text: Path, overrides: list[str], cores: list[int] | None = None):
-    """`tinyllm.py --tokenize --train` on `text` in a fresh run directory; with `cores`, the
-    process is pinned to those CPUs (and sees only them)."""
+def run_tinyllm(
+    config: Path, text: Path, overrides: list[str], batches: int, cores: list[int] | None = None
+):
+    """`tinyllm.py --tokenize --train` on `text` in a fresh run directory, timed, then its
+    model scored on `batches` validation batches, untimed; with `cores`, both processes are
+    pinned to those CPUs (and see only them)."""
     with tempfile.TemporaryDirectory(prefix="tinyllm-") as scratch:
         out = Path(scratch) / "run"
-        command = [sys.executable, str(ROOT / "tinyllm.py"), "--tokenize", "--train"]
+        pinned = ["taskset", "-c", ",".join(map(str, cores))] if cores else []
+        command = [*pinned, sys.executable, str(ROOT / "tinyllm.py"), "--tokenize", "--train"]
         command += ["--config", str(config), "--input", str(text), "--out", str(out)]
-        if cores:
-            command = ["taskset", "-c", ",".join(map(str, cores)), *command]
         seconds, log = timed(command + overrides, ROOT)
         records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+        # Untimed, as nanoGPT's target: the saved model's loss on `batches` batches.
+        score = [*pinned, sys.executable, str(ROOT / "scripts" / "eval_split.py"), "--run"]
+        _, scored = timed([*score, str(out), "--batches", str(batches)], ROOT)
     evals = [r for r in records if "val_loss" in r]
     steps = max(r["step"] for r in records)
     spent = re.findall(r"train: time spent: (.*)", log)[-1]
@@ -155,26 +165,35 @@ def run_tinyllm(config: Path, text: Path, overrides: list[str], cores: list[int]
     other = float(re.search(r"other steps ([\d.]+) s", spent).group(1))
     return {
         "seconds": seconds,
-        "val_loss": evals[-1]["val_loss"],
+        "val_loss": _scored_loss(scored),
+        "printed_val_loss": evals[-1]["val_loss"],
         "spent": spent,
         "step_s": other / max(steps - 1, 1),
         "steps": steps,
     }
 
 
+def _scored_loss(output: str) -> float:
+    """The loss in eval_split.py's JSON line (its stdout, before any stderr)."""
+    line = next(line for line in output.splitlines() if line.startswith("{"))
+    return json.loads(line)["val_loss_batches"]
+
+
 def compare(args) -> None:
     rows = []
     for text in args.input:
-        nano = run_nanogpt(args.nanogpt, args.torch_python, text)
-        ours = run_tinyllm(args.config, text, args.overrides)
+        nano = run_nanogpt(args.nanogpt, args.torch_python, text, args.target_batches)
+        ours = run_tinyllm(args.config, text, args.overrides, args.target_batches)
         ratio = ours["seconds"] / nano["seconds"]
         reached = "yes" if ours["val_loss"] <= nano["val_loss"] else "no"
         rows.append(
             f"| {text.name} | {nano['val_loss']:.4f} in {nano['seconds']:.1f} s | "
             f"{ours['val_loss']:.4f} in {ours['seconds']:.1f} s | {ratio:.2f}x | {reached} |"
         )
-        print(f"{text.name}: nanoGPT's val loss {nano['printed_val_loss']:.4f} on its 20 "
-              f"batches, {nano['val_loss']:.4f} on 200; tinyllm time spent: {ours['spent']}",
+        print(f"{text.name}: val loss on the runs' own evaluation batches, then on "
+              f"{args.target_batches}: nanoGPT {nano['printed_val_loss']:.4f}, "
+              f"{nano['val_loss']:.4f}; tinyllm {ours['printed_val_loss']:.4f}, "
+              f"{ours['val_loss']:.4f}; tinyllm time spent: {ours['spent']}",
               file=sys.stderr, flush=True)  # fmt: skip
     print(f"\n{machine_line()}")
     print(f"| text | nanoGPT, 2000 iterations | tinyllm, {args.config.name} | time | loss "
@@ -187,7 +206,10 @@ def run_many(args, runs: list[tuple[Path, list[str]]]) -> list[dict]:
     """tinyllm on each (text, overrides), `args.jobs` at a time, each job pinned to its own
     share of the cores; results in the order given."""
     if args.jobs <= 1:
-        return [run_tinyllm(args.config, text, [*o, *args.overrides]) for text, o in runs]
+        return [
+            run_tinyllm(args.config, text, [*o, *args.overrides], args.target_batches)
+            for text, o in runs
+        ]
     cores = sorted(os.sched_getaffinity(0))
     per_job = len(cores) // args.jobs
     free = [cores[i * per_job : (i + 1) * per_job] for i in range(args.jobs)]
@@ -197,7 +219,8 @@ def run_many(args, runs: list[tuple[Path, list[str]]]) -> list[dict]:
         with lock:
             slot = free.pop()
         try:
-            return run_tinyllm(args.config, run[0], [*run[1], *args.overrides], slot)
+            overrides = [*run[1], *args.overrides]
+            return run_tinyllm(args.config, run[0], overrides, args.target_batches, slot)
         finally:
             with lock:
                 free.append(slot)
@@ -277,6 +300,8 @@ def main() -> None:
     p.add_argument("--input", type=Path, action="append", required=True, help="a text file")
     p.add_argument("--config", type=Path, default=FAST_CONFIG)
     p.add_argument("--torch-python", default=sys.executable, help="a Python with PyTorch")
+    p.add_argument("--target-batches", type=int, default=200, metavar="N", help="validation "
+                   "batches each run's final model is scored on, untimed")  # fmt: skip
     p.add_argument("--ablate", action="store_true", help="undo each recipe option in turn")
     p.add_argument("--seeds", type=int, default=3, help="seeds per ablation variant")
     p.add_argument("--jobs", type=int, default=1, help="ablation runs at a time, each pinned "

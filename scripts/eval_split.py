@@ -2,6 +2,7 @@
 """Evaluate a trained run on its whole validation split, window by window.
 
     python scripts/eval_split.py --run runs/shakespeare_char     # prints one JSON line
+    python scripts/eval_split.py --run RUN --batches 200         # as training does, 200 batches
 
 The loss logged during training (nanoGPT's way) is a mean over `train.eval_steps` random
 batches: on Tiny Shakespeare's char model, 20 batches leave about +-0.01 nats of sampling
@@ -9,6 +10,9 @@ noise. This script scores every non-overlapping `block_size` window of the valid
 (the run's token cache, last `data.val_fraction` of the tokens) with the latest checkpoint,
 so two runs, or tinyllm and a PyTorch peer, can be compared without that noise:
 `scripts/torch_reference.py --eval-nanogpt` scores a nanoGPT checkpoint on the same windows.
+With `--batches N` it scores instead as training's evaluation does (the same code), over the
+first N of the run's fixed validation batches: what the run would have logged with
+`train.eval_steps=N` (scripts/bench_time_to_loss.py measures its runs' losses so, untimed).
 User mistakes print one line on stderr and exit with code 2.
 """
 
@@ -24,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 from plumbing.cli import OneLineParser, one_line_errors
 
 
-def evaluate_run(run_dir: Path, rows: int) -> dict:
-    """Latest checkpoint of `run_dir` scored on every validation window; one result dict."""
+def evaluate_run(run_dir: Path, rows: int, batches: int = 0) -> dict:
+    """Latest checkpoint of `run_dir` scored on every validation window, or with `batches`
+    on that many of training's validation batches; one result dict."""
     from configs.schema import config_from_dict
     from model.rundir.trained import open_trained_run
     from model.training.data import load_token_splits
@@ -39,29 +44,52 @@ def evaluate_run(run_dir: Path, rows: int) -> dict:
     splits = load_token_splits(
         corpus_for(cfg.data), tokenizer, run.tokenizer_path, run_dir, cfg.data.val_fraction
     )
-    loss = evaluate_windows(model, splits.val, rows)
     step = meta["step"]
     metrics = read_metrics(run_dir)
     logged = [m["val_loss"] for m in metrics if m.get("step") == step and "val_loss" in m]
-    return {
-        "run": str(run_dir),
-        "step": step,
-        "seed": cfg.train.seed,
-        "windows": len(range(0, len(splits.val) - cfg.model.block_size, cfg.model.block_size)),
-        "val_loss_all_windows": round(loss, 4),
-        "val_bpb_all_windows": round(bits_per_byte(loss, splits.val_bytes_per_token), 4),
-        "val_loss_logged": round(logged[-1], 4) if logged else None,
-    }
+    out = {"run": str(run_dir), "step": step, "seed": cfg.train.seed}
+    if batches:
+        loss = _as_training_evaluates(run_dir, meta, splits, batches)
+        out |= {"batches": batches, "val_loss_batches": round(loss, 4)}
+    else:
+        loss = evaluate_windows(model, splits.val, rows)
+        windows = range(0, len(splits.val) - cfg.model.block_size, cfg.model.block_size)
+        out |= {"windows": len(windows), "val_loss_all_windows": round(loss, 4)}
+    kind = "batches" if batches else "all_windows"
+    out[f"val_bpb_{kind}"] = round(bits_per_byte(loss, splits.val_bytes_per_token), 4)
+    out["val_loss_logged"] = round(logged[-1], 4) if logged else None
+    return out
+
+
+def _as_training_evaluates(run_dir: Path, meta: dict, splits, batches: int) -> float:
+    """Trainer.evaluate with `train.eval_steps = batches` on the checkpoint's parameters."""
+    import dataclasses
+
+    import jax
+
+    from configs.schema import config_from_dict
+    from model.network.config import model_config_of
+    from model.rundir.trained import restore_float_params
+    from model.training.trainer import Trainer
+
+    params, _ = restore_float_params(run_dir)
+    train_cfg = dataclasses.replace(config_from_dict(meta["config"]).train, eval_steps=batches)
+    trainer = Trainer(train_cfg, model_config_of(meta["config"]))
+    return trainer.evaluate(jax.device_put(params, trainer.param_shardings), splits)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="eval_split.py", description=__doc__.splitlines()[1])
     p.add_argument("--run", required=True, type=Path, help="trained run directory")
     p.add_argument("--rows", type=int, default=64, help="windows per forward pass")
+    p.add_argument("--batches", type=int, default=0, metavar="N",
+                   help="score as training does, on its first N validation batches")  # fmt: skip
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     args = p.parse_args(argv)
+    if args.batches < 0:
+        p.error(f"--batches must be >= 1 (or 0 for every window), not {args.batches}")
     with one_line_errors("eval_split", args.debug):
-        print(json.dumps(evaluate_run(args.run, args.rows)))
+        print(json.dumps(evaluate_run(args.run, args.rows, args.batches)))
     return 0
 
 

@@ -65,10 +65,10 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
     (nano / "train.py").write_text(
         "import sys\nargs = sys.argv\nassert '--max_iters=2000' in args\n"
         "if '--init_from=resume' in args:\n"
-        "    assert '--eval_iters=200' in args\n"
+        "    assert '--eval_iters=5' in args\n"
         "    print('step 2000: train loss 1.8000, val loss 9.5000')\n"
         "else:\n"
-        "    assert '--eval_iters=20' in args and '--eval_iters=200' not in args\n"
+        "    assert '--eval_iters=20' in args and '--eval_iters=5' not in args\n"
         "    assert '--always_save_checkpoint=True' in args\n"
         "    print('step 0: train loss 4.1000, val loss 4.2000')\n"
         "    print('step 2000: train loss 1.8000, val loss 9.4000')\n"
@@ -76,8 +76,8 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
     text = write_word_corpus(tmp_path / "words.txt", 300)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_time_to_loss.py"), "--nanogpt", str(nano),
-         "--input", str(text), "train.max_steps=4", "train.eval_interval=4",
-         "train.eval_steps=2", "train.warmup_steps=1"],
+         "--input", str(text), "--target-batches", "5", "train.max_steps=4",
+         "train.eval_interval=4", "train.eval_steps=2", "train.warmup_steps=1"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -85,7 +85,7 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1].startswith("9.5000 in ") and cells[3].endswith("x") and cells[4] == "yes"
     assert "machine: " in proc.stdout  # the CPU model beside the table
-    assert "nanoGPT's val loss 9.4000 on its 20 batches, 9.5000 on 200" in proc.stderr
+    assert "then on 5: nanoGPT 9.4000, 9.5000; tinyllm " in proc.stderr
 
 
 def test_time_to_loss_ablation_gives_equal_steps_and_equal_time(tmp_path):
@@ -96,7 +96,8 @@ def test_time_to_loss_ablation_gives_equal_steps_and_equal_time(tmp_path):
     text = write_word_corpus(tmp_path / "words.txt", 300)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_time_to_loss.py"), "--ablate",
-         "--seeds", "1", "--variants", "value embeddings", "--input", str(text), "--json",
+         "--seeds", "1", "--variants", "value embeddings", "--input", str(text),
+         "--target-batches", "2", "--json",
          str(tmp_path / "runs.json"), "train.max_steps=4", "train.eval_interval=4",
          "train.eval_steps=2", "train.warmup_steps=1"],
         capture_output=True, text=True, timeout=600,
@@ -238,3 +239,27 @@ def test_time_to_loss_texts_are_cut_from_the_packages_in_order(tmp_path, monkeyp
     assert [p.read_text() for p in written] == ["ha", "ab", "qo", "12", "AZ"]
     with pytest.raises(SystemExit, match="perl has 2 characters, not 3"):
         m.write_texts(root, tmp_path / "out", length=3)
+
+
+def test_eval_split_scores_as_training_did_or_every_window(tmp_path):
+    """--batches N is training's own evaluation over its first N fixed validation batches: on
+    a run that evaluated N batches it gives the logged loss (the time-to-loss bench scores
+    its runs so); without it, every window of the split."""
+    from tests.tiny_runs import train_tiny_run
+
+    run = train_tiny_run(tmp_path, "train.max_steps=4", "train.eval_steps=3")
+
+    def scored(*flags: str) -> dict:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "eval_split.py"), "--run", str(run), *flags],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    three, eight, windows = scored("--batches", "3"), scored("--batches", "8"), scored()
+    assert three["step"] == 4 and three["batches"] == 3
+    assert three["val_loss_batches"] == three["val_loss_logged"]
+    assert eight["val_loss_batches"] != three["val_loss_batches"]  # more batches, more seen
+    assert windows["windows"] > 0 and windows["val_loss_all_windows"] > 0
+    assert "val_loss_batches" not in windows
