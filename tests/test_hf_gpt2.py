@@ -1,11 +1,10 @@
-"""GPT-2 in: the model options GPT-2 needs, Hugging Face GPT-2 checkpoints loaded with
-transformers' logits, --init-from for inference and fine-tuning, and one-line refusals (out:
-tests/test_hf_export.py). Nothing is downloaded: the GPT-2 checkpoints are tiny random ones
-built here with transformers (skipped without it)."""
+"""GPT-2 in: Hugging Face GPT-2 checkpoints loaded with transformers' logits, --init-from for
+inference and fine-tuning, and one-line refusals (out: tests/test_hf_export.py; the model
+options GPT-2 needs: tests/test_model.py). Nothing is downloaded: the GPT-2 checkpoints are
+tiny random ones built here with transformers (skipped without it)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import shutil
@@ -15,20 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import tinyllm
-from configs.schema import config_from_dict, load_config
+from configs.schema import load_config
 from model.interop.hf_format import EOT
 from model.interop.hf_import import load_hf_model
-from model.network.config import ModelConfig
-from model.network.gpt import count_params, flops_per_token
-from model.network.layers import make_norm
 from model.rundir.trained import open_trained_run
-from model.training.resume import check_compatible
 from plumbing.errors import UsageError
 from tests.test_quant import assert_one_line_error
-from tests.tiny_models import TINY, forward, random_tokens, tiny_model
+from tests.tiny_models import forward
 from tokenizer import BPETokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,74 +38,6 @@ ODD_TEXTS = [
 _spec = importlib.util.spec_from_file_location("export_hf_script", ROOT / "scripts/export_hf.py")
 export_script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(export_script)
-
-
-# -- the model options GPT-2 needs (no transformers needed) ----------------------------------
-
-
-def test_defaults_reproduce_the_previous_model_and_old_configs_load():
-    cfg = ModelConfig()
-    assert (cfg.gelu, cfg.norm_eps, cfg.tie_embeddings, cfg.attention) == (
-        "exact",
-        1e-5,
-        True,
-        "auto",
-    )
-    old = load_config(None).to_dict()  # a config saved before these fields existed
-    for key in ("gelu", "norm_eps", "tie_embeddings", "attention"):
-        del old["model"][key]
-    assert config_from_dict(old).model == load_config(None).model
-
-
-def test_gelu_forms():
-    x = jnp.linspace(-4.0, 4.0, 101)
-    exact = tiny_model(gelu="exact").blocks[0].mlp.activation(x)
-    tanh = tiny_model(gelu="tanh").blocks[0].mlp.activation(x)
-    gelu_new = 0.5 * x * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
-    np.testing.assert_allclose(tanh, gelu_new, atol=1e-6)  # Hugging Face's gelu_new
-    np.testing.assert_allclose(exact, jax.nn.gelu(x, approximate=False), atol=1e-6)
-    assert float(jnp.max(jnp.abs(exact - tanh))) > 1e-4
-    with pytest.raises(UsageError, match=r"model\.gelu must be one of exact, tanh"):
-        dataclasses.replace(TINY, gelu="fast").validate()
-
-
-@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
-def test_norm_eps_reaches_the_norms(norm):
-    cfg = dataclasses.replace(TINY, norm=norm, norm_eps=0.25)
-    layer = make_norm(cfg, rngs=nnx.Rngs(0))
-    assert layer.epsilon == 0.25
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 32)) * 0.1, jnp.float32)
-    centred = x - x.mean(-1, keepdims=True) if norm == "layernorm" else x
-    var = jnp.mean(centred**2, -1, keepdims=True)
-    np.testing.assert_allclose(layer(x), centred / jnp.sqrt(var + 0.25), atol=1e-6)
-    for bad in (0.0, -1e-5, 1.0):
-        with pytest.raises(UsageError, match=r"model\.norm_eps"):
-            dataclasses.replace(TINY, norm_eps=bad).validate()
-
-
-def test_untied_embeddings_add_an_output_layer():
-    tied, untied = tiny_model(), tiny_model(tie_embeddings=False)
-    assert untied.lm_head.kernel.shape == (TINY.n_embd, TINY.vocab_size)
-    assert count_params(untied) == count_params(tied) + TINY.n_embd * TINY.vocab_size
-    tokens = random_tokens(2, 8)
-    graphdef, state = nnx.split(untied)
-    hidden_fn = jax.jit(lambda s, t: nnx.merge(graphdef, s).hidden_states(t))
-    hidden = hidden_fn(state, tokens)
-    np.testing.assert_allclose(
-        forward(untied, tokens), hidden @ untied.lm_head.kernel[...], rtol=1e-5, atol=1e-5
-    )
-    # the lookup table does no matmul once untied: FLOPs count the output layer once
-    assert flops_per_token(dataclasses.replace(TINY, tie_embeddings=False)) == flops_per_token(TINY)
-
-
-def test_check_compatible_skips_attention_but_not_architecture():
-    saved = load_config(None, ["model.vocab_size=64"]).to_dict()
-    meta = {"config": saved, "tokenizer_sha256": "x"}
-    model_cfg = config_from_dict(saved).model
-    check_compatible(meta, dataclasses.replace(model_cfg, attention="reference"), "x")
-    for change in ({"gelu": "tanh"}, {"tie_embeddings": False}, {"norm_eps": 1e-6}):
-        with pytest.raises(UsageError, match=f"model.{next(iter(change))}"):
-            check_compatible(meta, dataclasses.replace(model_cfg, **change), "x")
 
 
 # -- shared pieces ---------------------------------------------------------------------------
