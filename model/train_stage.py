@@ -94,6 +94,9 @@ def run_train(
             cfg = dataclasses.replace(cfg, data=data)
             check_compatible(saved, model_cfg, tokenizer_sha)
             check_same_optimizer(saved, cfg.train)
+        trainer = Trainer(cfg.train, model_cfg, programs=programs)
+        # Kept programs read on a thread of their own while the corpus is read and encoded.
+        trainer.prefetch_programs(fresh=not resume and not cfg.init_from)
         corpus = corpus_for(cfg.data)
         if saved is not None:
             check_same_corpus(saved, corpus)
@@ -102,8 +105,6 @@ def run_train(
             tokenizer_sha,
         )  # fmt: skip
         check_splits(splits, model_cfg.block_size)  # now, not at the first evaluation
-        trainer = Trainer(cfg.train, model_cfg, programs=programs)
-        trainer.prefetch_programs()  # read on a thread of their own while the state is made
         state = _starting_state(trainer, checkpoints, cfg, resume)
         _print_summary(trainer, splits, state.steps_taken())
         meta = {

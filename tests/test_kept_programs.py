@@ -74,9 +74,9 @@ def test_a_second_run_reads_every_program_and_trains_the_same(tmp_path):
     assert set(entries(cache / "programs")) == KINDS
     assert all("compiled" in line for line in first) and len(first) == len(KINDS)
     second = train(tmp_path, "second", cache)
-    # The step and evaluation are read ahead (Trainer.prefetch_programs), for the signatures
-    # the loop then calls them with: read once, not again on the first call.
-    read_ahead = {"train-step", "train-evaluation"}
+    # A fresh run's programs are all read ahead (Trainer.prefetch_programs), for the
+    # signatures the run then calls them with: read once, not again on the first call.
+    read_ahead = {"train-init-params", "train-init-optimizer", "train-step", "train-evaluation"}
     assert sorted(line.split("debug: ")[-1] for line in second) == sorted(
         f"{kind}: kept program read" + (" ahead" if kind in read_ahead else "") for kind in KINDS
     )
@@ -272,3 +272,19 @@ def test_a_program_jax_holds_in_its_own_disk_cache_is_kept_all_the_same(tmp_path
     assert any(jax_dir.iterdir())  # JAX kept the jitted program
     assert len(list(ours.glob("train-test-*.bin"))) == 2  # ours was compiled, kept, pointed at
     assert run("", str(ours), "-") == compiled  # a new process runs the kept executable
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_only_a_fresh_run_reads_its_initialisers_ahead(tmp_path, fresh):
+    """A resumed run (or one that starts from a checkpoint's weights) makes no fresh state:
+    its initialisers are not read; the step and evaluation are, either way."""
+    from configs.schema import load_config
+    from model.decoding.program_cache import ProgramCache
+    from model.training.trainer import Trainer
+
+    cfg = load_config(ROOT / "configs" / "shakespeare_char.toml", TINY_TRAIN)
+    trainer = Trainer(cfg.train, cfg.model.for_vocab(16), programs=ProgramCache(tmp_path))
+    trainer.prefetch_programs(fresh=fresh)
+    for program in (trainer._init_params, trainer._init_opt_state):
+        assert bool(program._reading) is fresh
+    assert trainer.train_step._reading and trainer.eval_batches._reading

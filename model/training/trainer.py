@@ -228,18 +228,21 @@ class Trainer:
         key = seed_key(self.train_cfg.seed, self.state_shardings.key)
         return TrainState(params, opt_state, step_on_mesh, key)
 
-    def prefetch_programs(self) -> None:
-        """Start reading the kept step and evaluation programs (KeptProgram.prefetch) while
-        the caller builds the first state: the step for a fresh run's first batch, then
+    def prefetch_programs(self, fresh: bool = False) -> None:
+        """Start reading the kept programs (KeptProgram.prefetch) while the caller reads the
+        corpus and builds the first state, in the order they are needed: with `fresh` (a
+        state initialised here) the initialisers, then the step for the first batch, then
         evaluation. Without kept programs this does nothing."""
         t, shapes = self.train_cfg, self._state_shapes
         x = self._batch_struct(self._batch_shape(None, 0))
         x_eval = self._batch_struct((self._eval_chunk(), t.eval_rows, self.model_cfg.block_size))
         total = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
-        for program, args in (
+        initialisers = [(self._init_params, ()), (self._init_opt_state, (shapes.params,))]
+        for program, args in [
+            *(initialisers if fresh else []),
             (self.train_step, (shapes, x, x)),
             (self.eval_batches, (shapes.params, x_eval, x_eval, total)),
-        ):
+        ]:
             if isinstance(program, KeptProgram):
                 program.prefetch(*args)
 
