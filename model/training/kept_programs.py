@@ -78,7 +78,7 @@ class KeptProgram:
 
     def prefetch(self, *args) -> None:
         """Start reading the kept program for `args` (arrays, or ShapeDtypeStructs with the
-        shardings the call's arrays will have) on the reader thread; the call with arguments
+        shardings the call's arrays will have) on a reader thread; the call with arguments
         of that signature takes it from there. A program that is not kept is left to that
         call to compile."""
         signature = _signature(*jax.tree_util.tree_flatten(args))
