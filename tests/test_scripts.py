@@ -241,21 +241,23 @@ def test_time_to_loss_texts_are_cut_from_the_packages_in_order(tmp_path, monkeyp
         m.write_texts(root, tmp_path / "out", length=3)
 
 
-def test_eval_split_scores_as_training_did_or_every_window(tmp_path):
+def test_eval_split_scores_as_training_did_or_every_window(tmp_path, capsys):
     """--batches N is training's own evaluation over its first N fixed validation batches: on
     a run that evaluated N batches it gives the logged loss (the time-to-loss bench scores
     its runs so); without it, every window of the split."""
+    import importlib.util
+
     from tests.tiny_runs import train_tiny_run
 
     run = train_tiny_run(tmp_path, "train.max_steps=4", "train.eval_steps=3")
+    spec = importlib.util.spec_from_file_location("eval_split", ROOT / "scripts/eval_split.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
 
     def scored(*flags: str) -> dict:
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "eval_split.py"), "--run", str(run), *flags],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads(proc.stdout.splitlines()[-1])
+        capsys.readouterr()
+        assert script.main(["--run", str(run), *flags]) == 0
+        return json.loads(capsys.readouterr().out.splitlines()[-1])
 
     three, eight, windows = scored("--batches", "3"), scored("--batches", "8"), scored()
     assert three["step"] == 4 and three["batches"] == 3
