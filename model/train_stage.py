@@ -95,7 +95,7 @@ def run_train(
             check_compatible(saved, model_cfg, tokenizer_sha)
             check_same_optimizer(saved, cfg.train)
         trainer = Trainer(cfg.train, model_cfg, programs=programs)
-        # Kept programs read on a thread of their own while the corpus is read and encoded.
+        # Kept programs read on threads of their own while the corpus is read and encoded.
         trainer.prefetch_programs(fresh=not resume and not cfg.init_from)
         corpus = corpus_for(cfg.data)
         if saved is not None:

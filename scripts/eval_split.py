@@ -49,7 +49,7 @@ def evaluate_run(run_dir: Path, rows: int, batches: int = 0) -> dict:
     logged = [m["val_loss"] for m in metrics if m.get("step") == step and "val_loss" in m]
     out = {"run": str(run_dir), "step": step, "seed": cfg.train.seed}
     if batches:
-        loss = _as_training_evaluates(model, meta, splits, batches)
+        loss = _as_training_evaluates(model, cfg.train, splits, batches)
         out |= {"batches": batches, "val_loss_batches": round(loss, 4)}
     else:
         loss = evaluate_windows(model, splits.val, rows)
@@ -61,20 +61,17 @@ def evaluate_run(run_dir: Path, rows: int, batches: int = 0) -> dict:
     return out
 
 
-def _as_training_evaluates(model, meta: dict, splits, batches: int) -> float:
+def _as_training_evaluates(model, train_cfg, splits, batches: int) -> float:
     """Trainer.evaluate with `train.eval_steps = batches` on the loaded model's parameters."""
     import dataclasses
 
     import jax
     from flax import nnx
 
-    from configs.schema import config_from_dict
-    from model.network.config import model_config_of
     from model.training.trainer import Trainer
 
     params = nnx.split(model, nnx.Param, ...)[1]  # as the trainer holds them
-    train_cfg = dataclasses.replace(config_from_dict(meta["config"]).train, eval_steps=batches)
-    trainer = Trainer(train_cfg, model_config_of(meta["config"]))
+    trainer = Trainer(dataclasses.replace(train_cfg, eval_steps=batches), model.cfg)
     return trainer.evaluate(jax.device_put(params, trainer.param_shardings), splits)
 
 
