@@ -309,7 +309,12 @@ def test_configure_cpu_devices_leaves_a_users_count_alone(monkeypatch):
     assert configure_cpu_devices(2, 12) == 2
     assert os.environ["XLA_FLAGS"] == (
         "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=2"
+        " --xla_cpu_enable_concurrency_optimized_scheduler=false"
     )
+    theirs = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+    monkeypatch.setenv("XLA_FLAGS", theirs)  # their scheduler wins; the count is still set
+    assert configure_cpu_devices(2, 12) == 2
+    assert os.environ["XLA_FLAGS"] == f"{theirs} --xla_force_host_platform_device_count=2"
     monkeypatch.delenv("XLA_FLAGS")
     assert configure_cpu_devices(1, 12) is None and "XLA_FLAGS" not in os.environ
 
