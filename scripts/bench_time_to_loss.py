@@ -96,6 +96,7 @@ ABLATIONS = [
     ("+ ReLU² MLP", ["model.mlp=relu2"]),
     ("+ zero-init projections", ["model.zero_init_proj=true"]),
     ("+ logit soft-cap 15", ["model.logit_softcap=15"]),
+    ("2 heads of 48 instead of 4 of 24", ["model.n_head=2"]),
 ]
 
 
