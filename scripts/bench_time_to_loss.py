@@ -80,6 +80,7 @@ ABLATIONS = [
     ("no QK-norm", ["model.qk_norm=false"]),
     ("tied output layer", ["model.tie_embeddings=true"]),
     ("cosine instead of WSD", ["train.lr_schedule=cosine"]),
+    ("4 heads of 24 instead of 2 of 48", ["model.n_head=4"]),
     # Options it leaves out, one at a time.
     ("+ U-net skips", ["model.unet_skips=true"]),
     ("+ multi-token prediction (1 more token)", ["model.mtp_tokens=1"]),
@@ -96,7 +97,6 @@ ABLATIONS = [
     ("+ ReLU² MLP", ["model.mlp=relu2"]),
     ("+ zero-init projections", ["model.zero_init_proj=true"]),
     ("+ logit soft-cap 15", ["model.logit_softcap=15"]),
-    ("2 heads of 48 instead of 4 of 24", ["model.n_head=2"]),
 ]
 
 
