@@ -5,7 +5,6 @@ tiny random ones built here with transformers (skipped without it)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -21,11 +20,11 @@ from model.interop.hf_format import EOT
 from model.interop.hf_import import load_hf_model
 from model.rundir.trained import open_trained_run
 from plumbing.errors import UsageError
+from tests.script_module import load_script
 from tests.test_quant import assert_one_line_error
 from tests.tiny_models import forward
 from tokenizer import BPETokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
 # Text a tokenizer can get wrong: a special token, bytes of multi-byte characters split over
 # tokens, combining marks, emoji, a non-breaking space, runs of whitespace, contractions.
@@ -35,9 +34,7 @@ ODD_TEXTS = [
     "  to\t\tbe\n\n\nor   not  \r\n it's we'll 12345 <|endoftext|><|endoftext|>",
 ]
 
-_spec = importlib.util.spec_from_file_location("export_hf_script", ROOT / "scripts/export_hf.py")
-export_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(export_script)
+export_script = load_script("export_hf")
 
 
 # -- shared pieces ---------------------------------------------------------------------------

@@ -5,7 +5,6 @@ bytes in argv."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pty
 import re
@@ -24,10 +23,10 @@ from model.decoding.budget import check_memory, decode_bytes_per_sample
 from model.decoding.clock import DecodeClock, timing_line
 from model.network.config import ModelConfig
 from plumbing.errors import UsageError
+from tests.script_module import load_script
 from tests.tiny_models import tiny_model
 from tests.tiny_runs import ROOT, train_tiny_run
 
-BENCH = ROOT / "scripts" / "bench_generate.py"
 TIMING = re.compile(
     r"^inference: (\d+) prompt tokens, (\d+) new tokens; first token after ([\d.]+) s "
     r"\(([a-z +]+)\); (decode ([\d,]+) tokens/s|decode speed not measured: too few tokens "
@@ -323,9 +322,7 @@ def test_memory_bound_is_per_sample():
 def test_bench_generate_measures_the_clis_decode_rate():
     """scripts/bench_generate.py times generation with the CLI's clock: steady-state decode
     after the first token, every requested token counted."""
-    spec = importlib.util.spec_from_file_location("bench_generate", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_generate")
     model = tiny_model(
         seed=3, block_size=16, n_layer=1, position="rope", norm="rmsnorm", mlp="swiglu"
     )

@@ -2,7 +2,6 @@
 scripts/quantize.py, and damaged quantized checkpoints (the math and the checkpoint format:
 tests/test_quant_math.py)."""
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -23,14 +22,11 @@ from model.rundir.trained import restore_float_params
 from model.train_stage import run_train
 from model.training.metrics import read_metrics
 from plumbing.errors import UsageError
+from tests.script_module import load_script
 from tests.tiny_runs import TINY_TRAIN, tiny_run_config, write_word_corpus
 from tokenizer.stage import run_tokenize
 
-ROOT = Path(__file__).resolve().parents[1]
-
-_spec = importlib.util.spec_from_file_location("quantize_script", ROOT / "scripts/quantize.py")
-quantize_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(quantize_script)
+quantize_script = load_script("quantize")
 
 
 # -- PTQ and QAT through the stages ---------------------------------------------------------

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.script_module import load_script
 from tests.tiny_runs import ROOT
 
 SCRIPTS = [
@@ -204,7 +205,7 @@ def test_time_to_loss_texts_are_cut_from_the_packages_in_order(tmp_path, monkeyp
     cut to length, and refuses a text that came out short."""
     import gzip
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # it imports make_bench_corpus beside it
     import make_ttl_texts as m
 
     root = tmp_path / "tree"
@@ -245,14 +246,10 @@ def test_eval_split_scores_as_training_did_or_every_window(tmp_path, capsys):
     """--batches N is training's own evaluation over its first N fixed validation batches: on
     a run that evaluated N batches it gives the logged loss (the time-to-loss bench scores
     its runs so); without it, every window of the split."""
-    import importlib.util
-
     from tests.tiny_runs import train_tiny_run
 
     run = train_tiny_run(tmp_path, "train.max_steps=4", "train.eval_steps=3")
-    spec = importlib.util.spec_from_file_location("eval_split", ROOT / "scripts/eval_split.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("eval_split")
 
     def scored(*flags: str) -> dict:
         capsys.readouterr()
