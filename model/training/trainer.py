@@ -49,6 +49,7 @@ from model.processes.mesh import (
 from model.quantization.kernels import fake_quant_tree
 from model.training.config import TrainConfig
 from model.training.data import TokenSplits, check_window, sample_batch
+from model.training.gradients import accumulated, on_cpu_reduced_once, one_reduction_fits
 from model.training.kept_programs import KeptProgram, kept
 from model.training.optim import make_optimizer
 from model.training.state import TrainState
@@ -250,29 +251,15 @@ class Trainer:
 
     def _compile_step(self):
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        gradients = functools.partial(accumulated, grad_fn)
+        if one_reduction_fits(self.model_cfg, self.train_cfg, self.mesh):
+            gradients = on_cpu_reduced_once(grad_fn, self.mesh, otherwise=gradients)
 
         def step(state: TrainState, x_AxBxT, y_AxBxT):
             params = state.params
             key = jax.random.fold_in(state.key, state.step)
 
-            def micro(grads_acc, inputs):
-                x, y, i = inputs
-                (_, (ce, aux)), grads = grad_fn(params, x, y, jax.random.fold_in(key, i))
-                grads_acc = jax.tree_util.tree_map(jnp.add, grads_acc, grads)
-                return grads_acc, (ce, aux)
-
-            n_micro = x_AxBxT.shape[0]
-            if n_micro == 1:  # no accumulation: a scan of one would only cost XLA fusions
-                (_, (ce, aux)), grads = grad_fn(
-                    params, x_AxBxT[0], y_AxBxT[0], jax.random.fold_in(key, 0)
-                )
-                ce, aux = ce[None], {k: v[None] for k, v in aux.items()}
-            else:
-                zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-                grads, (ce, aux) = jax.lax.scan(
-                    micro, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro))
-                )
-                grads = jax.tree_util.tree_map(lambda g: g / n_micro, grads)
+            grads, ce, aux = gradients(params, x_AxBxT, y_AxBxT, key)
             # FSDP: each device keeps its shard of the gradients (a reduce-scatter).
             grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
             updates, opt_state = self.tx.update(grads, state.opt_state, params)
