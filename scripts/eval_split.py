@@ -35,7 +35,7 @@ def evaluate_run(run_dir: Path, rows: int, batches: int = 0) -> dict:
     from model.rundir.trained import open_trained_run
     from model.training.data import load_token_splits
     from model.training.metrics import bits_per_byte, read_metrics
-    from model.training.trainer import evaluate_windows
+    from model.training.window_loss import evaluate_windows
     from tokenizer.corpus import corpus_for
 
     run = open_trained_run(run_dir)

@@ -59,6 +59,7 @@ def test_parse_override_values():
         ("train.batch_size=10", "divisible by train.grad_accum"),
         ("sample.top_p=1.5", "sample.top_p"),
         ("train.qat_bits=3", "qat_bits"),
+        ("train.steps_per_call=0", "train.steps_per_call"),
         ("train.cpu_devices=-1", "train.cpu_devices must be >= 0"),
         ("train.cpu_devices=3", "train.cpu_devices \\(3\\) must divide the micro-batch"),
     ],

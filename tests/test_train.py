@@ -355,7 +355,8 @@ def test_evaluate_windows_scores_every_window_once():
     """The whole-split score is the mean loss over the consecutive block_size windows."""
     import jax.numpy as jnp
 
-    from model.training.trainer import cross_entropy, evaluate_windows
+    from model.training.trainer import cross_entropy
+    from model.training.window_loss import evaluate_windows
     from tests.tiny_models import tiny_model
 
     model = tiny_model()

@@ -140,6 +140,10 @@ def training_programs(cfg, devices: int, variants: Iterable[str] = VARIANTS) -> 
             tracer = _train_step_tracer(train_cfg, model_cfg, fsdp)
             programs.append(Program(f"train step ({label})", tracer, True, training=True))
     train_cfg, model_cfg = _variant(cfg, devices, {}, {})
+    if train_cfg.steps_per_call > 1:  # the config's calls of several steps: a loop around it
+        label = f"train steps ({train_cfg.steps_per_call} a call)"
+        tracer = _train_step_tracer(train_cfg, model_cfg, train_cfg.fsdp, train_cfg.steps_per_call)
+        programs.append(Program(label, tracer, True, training=True))
     programs.append(Program("evaluation", _eval_tracer(train_cfg, model_cfg), True))
     return programs
 
@@ -165,11 +169,16 @@ def _variant(cfg, devices: int, train_over: dict, model_over: dict):
     return train_cfg, model_cfg
 
 
-def _train_step_tracer(train_cfg, model_cfg: ModelConfig, fsdp: bool) -> Callable:
+def _train_step_tracer(train_cfg, model_cfg: ModelConfig, fsdp: bool, calls: int = 1) -> Callable:
+    """The train step's trace; with `calls` > 1 the program that runs that many steps."""
+
     def trace():
         trainer = Trainer(dataclasses.replace(train_cfg, fsdp=fsdp), model_cfg, abstract=True)
-        x, y = trainer.batch_shapes()
-        return trainer.train_step.trace(trainer.initial_state(), x, y)
+        x, _ = trainer.batch_shapes()
+        if calls == 1:
+            return trainer.train_step.trace(trainer.initial_state(), x, x)
+        xs = jax.ShapeDtypeStruct((calls, *x.shape), x.dtype, sharding=trainer.steps_sharding)
+        return trainer.train_steps.trace(trainer.initial_state(), xs, xs)
 
     return trace
 

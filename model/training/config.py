@@ -55,6 +55,11 @@ class TrainConfig:
     eval_batch_size: int = 0  # sequences per validation batch; 0 = the training micro-batch
     log_interval: int = 10
     checkpoint_interval: int = 0  # 0 = at every eval
+    # Steps one compiled call runs (a loop over that many batches, sent to the devices at
+    # once), never past a log, evaluation or checkpoint step: each call's fixed costs (the
+    # dispatch, the batch's transfer, starting the devices) are a tenth of a small model's
+    # step on CPU. 1 = a call per step.
+    steps_per_call: int = 1
     seed: int = 1337
     qat_bits: int = 0  # quantization-aware training: 0 = off, 8 or 4
     quant_group_size: int = 64  # int4: input rows per scale (QAT, export); last group may be short
@@ -97,6 +102,22 @@ class TrainConfig:
         ([2, 2, 4, 8], 28)
         """
         return max(((start, rows) for start, rows in self._stages() if start <= step))[1]
+
+    def steps_in_call(self, step: int) -> int:
+        """Steps the call from `step` runs: train.steps_per_call, or fewer to stop at the
+        next log, evaluation or checkpoint step, batch-size change or max_steps (the loop acts
+        there, and several processes agree there whether to stop).
+
+        >>> t = TrainConfig(max_steps=95, steps_per_call=20, log_interval=50, eval_interval=90)
+        >>> [t.steps_in_call(s) for s in (0, 20, 40, 50, 70, 90)]
+        [20, 20, 10, 20, 20, 5]
+        """
+        checkpoint = self.checkpoint_interval or self.eval_interval
+        ends = [self.max_steps, step + self.steps_per_call]
+        ends += [(step // every + 1) * every
+                 for every in (self.log_interval, self.eval_interval, checkpoint)]  # fmt: skip
+        ends += [start for start, _ in self._stages() if start > step]
+        return max(1, min(ends) - step)
 
     def sequences_before(self, step: int) -> int:
         """Sequences trained on in steps 0..step-1 (what the schedule's stages add up to)."""
@@ -142,6 +163,7 @@ class TrainConfig:
         for key in ("batch_size", "max_steps", "grad_accum", "eval_interval", "eval_steps"):
             checks.positive(f"train.{key}", getattr(self, key))
         checks.positive("train.log_interval", self.log_interval)
+        checks.positive("train.steps_per_call", self.steps_per_call)
         checks.positive("train.quant_group_size", self.quant_group_size)
         checks.positive("train.muon_ns_steps", self.muon_ns_steps)
         for key in ("warmup_steps", "lr_decay_steps", "weight_decay", "grad_clip"):

@@ -48,7 +48,7 @@ from model.processes.mesh import (
 )
 from model.quantization.kernels import fake_quant_tree
 from model.training.config import TrainConfig
-from model.training.data import TokenSplits, check_window, sample_batch
+from model.training.data import TokenSplits, sample_batch
 from model.training.gradients import accumulated, on_cpu_reduced_once, one_reduction_fits
 from model.training.kept_programs import KeptProgram, kept
 from model.training.optim import make_optimizer
@@ -60,29 +60,6 @@ KEY_IMPL = "threefry2x32"
 
 if TYPE_CHECKING:
     from model.decoding.program_cache import ProgramCache
-
-
-def evaluate_windows(model: GPT, tokens: np.ndarray, rows: int = 64) -> float:
-    """Mean loss of `model` over every non-overlapping block_size window of `tokens`, in order.
-
-    Deterministic and exact where `Trainer.evaluate` samples `eval_steps` random batches (as
-    nanoGPT's estimate_loss does): for comparing runs whose sampled figures differ by noise.
-    """
-    t = model.cfg.block_size
-    check_window(tokens, t, "validation")
-    starts = np.arange(0, len(tokens) - t, t)
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def window_loss(state, x_BxT, y_BxT):
-        return cross_entropy(nnx.merge(graphdef, state)(x_BxT), y_BxT)
-
-    total = 0.0
-    for i in range(0, len(starts), rows):
-        windows = np.stack([tokens[o : o + t + 1] for o in starts[i : i + rows]])
-        x, y = (jnp.asarray(a, jnp.int32) for a in (windows[:, :-1], windows[:, 1:]))
-        total += float(window_loss(state, x, y)) * len(windows)
-    return total / len(starts)
 
 
 def init_params(model_cfg: ModelConfig, seed: int):
@@ -192,7 +169,10 @@ class Trainer:
         )
         self.batch_sharding = batch_sharding(self.mesh)
         self._loss = training_loss(self.graphdef, self.rest, t)
-        self.train_step = keep(self._compile_step(), "step")
+        step = self._step_function()
+        self.train_step = keep(self._compile_step(step), "step")
+        self.train_steps = keep(self._compile_steps(step), "steps")  # train.steps_per_call
+        self.steps_sharding = NamedSharding(self.mesh, P(None, *self.batch_sharding.spec))
         self.eval_step = jax.jit(self._eval_loss)
         # The running sum goes in and out replicated: one program for every chunk.
         self.eval_batches = keep(
@@ -241,15 +221,24 @@ class Trainer:
         initialisers = [(self._init_params, ()), (self._init_opt_state, (shapes.params,))]
         for program, args in [
             *(initialisers if fresh else []),
-            (self.train_step, (shapes, x, x)),
+            self._first_call(shapes, x),
             (self.eval_batches, (shapes.params, x_eval, x_eval, total)),
         ]:
             if isinstance(program, KeptProgram):
                 program.prefetch(*args)
 
+    def _first_call(self, shapes, x):
+        """The program (and its arguments' shapes) of a fresh run's first training call."""
+        n = self.train_cfg.steps_in_call(0)
+        if n != self.train_cfg.steps_per_call or n == 1:
+            return self.train_step, (shapes, x, x)
+        xn = jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=self.steps_sharding)
+        return self.train_steps, (shapes, xn, xn)
+
     # -- the compiled functions ------------------------------------------------------------
 
-    def _compile_step(self):
+    def _step_function(self):
+        """The training step `step(state, x [A, B, T], y) -> (next state, metrics)`."""
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         gradients = functools.partial(accumulated, grad_fn)
         if one_reduction_fits(self.model_cfg, self.train_cfg, self.mesh):
@@ -258,7 +247,6 @@ class Trainer:
         def step(state: TrainState, x_AxBxT, y_AxBxT):
             params = state.params
             key = jax.random.fold_in(state.key, state.step)
-
             grads, ce, aux = gradients(params, x_AxBxT, y_AxBxT, key)
             # FSDP: each device keeps its shard of the gradients (a reduce-scatter).
             grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
@@ -268,10 +256,23 @@ class Trainer:
             metrics.update({k: v.mean() for k, v in aux.items()})
             return state.advanced(params, opt_state), metrics
 
+        return step
+
+    def _compile_step(self, step):
         # Donation lets XLA update params and Adam moments in place.
         return jax.jit(
             step, donate_argnums=0, out_shardings=(self.state_shardings, self.replicated)
         )
+
+    def _compile_steps(self, step):
+        """N steps in one program, `(state, x [N, A, B, T], y) -> (the state after them, the
+        last one's metrics)`: a loop on the devices, one call from the host."""
+
+        def steps(state: TrainState, x_NxAxBxT, y_NxAxBxT):
+            state, metrics = jax.lax.scan(lambda s, xy: step(s, *xy), state, (x_NxAxBxT, y_NxAxBxT))
+            return state, jax.tree_util.tree_map(lambda m: m[-1], metrics)
+
+        return self._compile_step(steps)
 
     def _eval_loss(self, params, x_BxT, y_BxT):
         model = nnx.merge(self.graphdef, forward_weights(params, self.train_cfg), self.rest)
@@ -286,6 +287,12 @@ class Trainer:
         (validation)."""
         x, y = self.host_batch(tokens, step, stream, rows)
         return put_batch(x, self.batch_sharding), put_batch(y, self.batch_sharding)
+
+    def batches(self, tokens: np.ndarray, step: int, n: int):
+        """The batches of steps step..step+n-1 stacked, [n, grad_accum, micro, T] on the mesh:
+        `train_steps`' input."""
+        xs, ys = zip(*(self.host_batch(tokens, s) for s in range(step, step + n)), strict=True)
+        return tuple(put_batch(np.stack(a), self.steps_sharding) for a in (xs, ys))
 
     def host_batch(self, tokens: np.ndarray, step: int, stream: int = 0, rows: int | None = None):
         """`batch`'s (x, y) in host memory, before they go to the mesh."""
