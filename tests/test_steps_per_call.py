@@ -43,9 +43,9 @@ def trained(run_dir, corpus_file, *extra, resume=False):
 
 def test_calls_stop_where_the_loop_acts():
     t = TrainConfig(max_steps=10, log_interval=4, eval_interval=8, steps_per_call=4)
-    assert [t.steps_in_call(s) for s in (0, 4, 8, 9)] == [4, 4, 2, 1]
+    assert [t.steps_in_call(s) for s in (0, 4, 8, 9)] == [4, 4, 1, 1]
     t = TrainConfig(batch_size=8, batch_size_schedule=[[0, 4], [6, 8]], steps_per_call=4)
-    assert [t.steps_in_call(s) for s in (0, 4, 6)] == [4, 2, 4]
+    assert [t.steps_in_call(s) for s in (0, 4, 5, 6)] == [4, 1, 1, 4]
 
 
 def test_calls_of_four_steps_give_the_single_steps_losses_and_resume(tmp_path, corpus_file):

@@ -104,20 +104,21 @@ class TrainConfig:
         return max(((start, rows) for start, rows in self._stages() if start <= step))[1]
 
     def steps_in_call(self, step: int) -> int:
-        """Steps the call from `step` runs: train.steps_per_call, or fewer to stop at the
-        next log, evaluation or checkpoint step, batch-size change or max_steps (the loop acts
-        there, and several processes agree there whether to stop).
+        """Steps the call from `step` runs: train.steps_per_call, or 1 (a call per step) where
+        that many would pass the next log, evaluation or checkpoint step, batch-size change or
+        max_steps (the loop acts there, and several processes agree there whether to stop).
+        One program of train.steps_per_call steps and at most one of a single step.
 
         >>> t = TrainConfig(max_steps=95, steps_per_call=20, log_interval=50, eval_interval=90)
-        >>> [t.steps_in_call(s) for s in (0, 20, 40, 50, 70, 90)]
-        [20, 20, 10, 20, 20, 5]
+        >>> [t.steps_in_call(s) for s in (0, 20, 40, 49, 50, 70, 90)]
+        [20, 20, 1, 1, 20, 20, 1]
         """
         checkpoint = self.checkpoint_interval or self.eval_interval
-        ends = [self.max_steps, step + self.steps_per_call]
+        ends = [self.max_steps]
         ends += [(step // every + 1) * every
                  for every in (self.log_interval, self.eval_interval, checkpoint)]  # fmt: skip
         ends += [start for start, _ in self._stages() if start > step]
-        return max(1, min(ends) - step)
+        return self.steps_per_call if step + self.steps_per_call <= min(ends) else 1
 
     def sequences_before(self, step: int) -> int:
         """Sequences trained on in steps 0..step-1 (what the schedule's stages add up to)."""

@@ -1,7 +1,9 @@
 """The training loop: steps, logging, evaluation, checkpoints, and stopping on a signal.
 
-The loop never waits on the device except when it logs (metrics are fetched one step late, so
-the next step is already dispatched), evaluates or checkpoints. SIGINT and SIGTERM are
+The loop runs train.steps_per_call steps a call (TrainConfig.steps_in_call: never past a
+step where it logs, evaluates or saves). It never waits on the device except when it logs
+(metrics are fetched one call late, so the next call is already dispatched), evaluates or
+checkpoints. SIGINT and SIGTERM are
 requests to stop (plumbing.signals): the loop finishes the step (and an evaluation under
 way), saves a checkpoint unless this step is saved already, and raises `Stopped` (exit 130 /
 143). A step is never saved twice. A NaN or infinite loss raises `TrainingDiverged` before
@@ -139,11 +141,10 @@ class TrainingLoop:
                 return True
             n = t.steps_in_call(s.step)
             since = time.perf_counter()
-            if n > 1 and n == t.steps_per_call:  # n steps in one call (else one call per step)
+            if n > 1:  # train.steps_per_call steps in one call
                 batches = trainer.batches(self.splits.train, s.step, n)
                 self.train_state, metrics = trainer.train_steps(self.train_state, *batches)
             else:
-                n = 1
                 x, y = trainer.batch(self.splits.train, s.step)
                 self.train_state, metrics = trainer.train_step(self.train_state, x, y)
             if "first step" not in s.spent:  # jit compiles before it dispatches: wait for it

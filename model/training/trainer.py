@@ -4,10 +4,11 @@ A `TrainState` (params, optimizer state, step, the run's key; state.py) is immut
 Levanter's TrainerState: the trainer makes the first one (`initial_state`: fresh, or from
 given weights for --init-from; `restored`: a checkpoint's, for --resume) and the compiled step
 `train_step(state, x, y) -> (next state, metrics)` makes every other, donating the one it
-takes (its arrays are deleted: hold on to the returned state only). Nothing else builds or
-writes one. The step (gradient accumulation as a scan over micro-batches) runs on a 1-D `data`
-mesh (model/processes/mesh.py). Everything random is a function of (seed, step), so a resumed
-run replays the uninterrupted one.
+takes (its arrays are deleted: hold on to the returned state only); `train_steps(state, xs,
+ys)` runs train.steps_per_call of them in one call, a loop on the devices over their stacked
+batches (`batches`). Nothing else builds or writes one. The step (gradient accumulation as a
+scan over micro-batches) runs on a 1-D `data` mesh (model/processes/mesh.py). Everything
+random is a function of (seed, step), so a resumed run replays the uninterrupted one.
 
     >>> from model.network.config import ModelConfig
     >>> from model.training.config import TrainConfig
@@ -230,7 +231,7 @@ class Trainer:
     def _first_call(self, shapes, x):
         """The program (and its arguments' shapes) of a fresh run's first training call."""
         n = self.train_cfg.steps_in_call(0)
-        if n != self.train_cfg.steps_per_call or n == 1:
+        if n == 1:
             return self.train_step, (shapes, x, x)
         xn = jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=self.steps_sharding)
         return self.train_steps, (shapes, xn, xn)
