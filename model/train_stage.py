@@ -181,9 +181,23 @@ def _print_summary(trainer: Trainer, splits: TokenSplits, start_step: int) -> No
         f"({device.platform}), compute {trainer.model_cfg.dtype}"
         + (f", QAT int{qat}" if qat else "")
         + (", deterministic GPU kernels" if trainer.train_cfg.deterministic else "")
+        + _calls_note(trainer.train_cfg)
         + (f"; resuming at step {start_step}" if start_step else ""),
         file=sys.stderr,
     )
+
+
+def _calls_note(t) -> str:
+    """The summary's word on train.steps_per_call: how many steps a call runs, or why one."""
+    if t.steps_per_call == 1:
+        return ""
+    every = min(t.log_interval, t.eval_interval, t.checkpoint_interval or t.eval_interval)
+    if t.steps_per_call > every:
+        return (
+            f", one step a call (train.steps_per_call = {t.steps_per_call} would pass the "
+            f"steps it logs, evaluates or saves at, every {every})"
+        )
+    return f", {t.steps_per_call} steps a call"
 
 
 def _resolved(cfg: Config, model_cfg: ModelConfig) -> dict:

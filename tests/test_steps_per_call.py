@@ -48,9 +48,10 @@ def test_calls_stop_where_the_loop_acts():
     assert [t.steps_in_call(s) for s in (0, 4, 5, 6)] == [4, 1, 1, 4]
 
 
-def test_calls_of_four_steps_give_the_single_steps_losses_and_resume(tmp_path, corpus_file):
+def test_calls_of_four_steps_give_the_single_steps_losses_and_resume(tmp_path, corpus_file, capsys):
     single = trained(tmp_path / "single", corpus_file, "train.max_steps=10")
     calls = trained(tmp_path / "calls", corpus_file, "train.max_steps=10", "train.steps_per_call=4")
+    assert ", 4 steps a call" in capsys.readouterr().err
     assert sorted(calls) == sorted(single) == [4, 8, 10]
     for step in single:
         np.testing.assert_allclose(calls[step], single[step], rtol=1e-5, atol=1e-6)
@@ -62,6 +63,14 @@ def test_calls_of_four_steps_give_the_single_steps_losses_and_resume(tmp_path, c
     assert Checkpoints(half).latest_step() == 8
     resumed = trained(half, corpus_file, "train.max_steps=10", four, resume=True)
     np.testing.assert_allclose(resumed[10], calls[10], rtol=1e-5, atol=1e-6)
+
+
+def test_calls_longer_than_the_log_interval_are_single_steps_and_said_so(
+    tmp_path, corpus_file, capsys
+):
+    logged = trained(tmp_path / "run", corpus_file, "train.max_steps=4", "train.steps_per_call=8")
+    assert sorted(logged) == [4]
+    assert "one step a call (train.steps_per_call = 8 would pass" in capsys.readouterr().err
 
 
 def test_a_call_of_several_steps_compiles_once_and_matches_them(corpus_file):
