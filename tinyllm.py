@@ -257,7 +257,28 @@ def command_line_config(args: argparse.Namespace) -> Config:
         print(printable(line), file=sys.stderr)
 
     pairs = [(s.key, s.value) for s in settings]
-    return load_config(resolve_config_path(args.config), pairs, on_replace=say_replaced)
+    path = resolve_config_path(args.config)
+    saved = saved_run_config(args, path)
+    return load_config(path, pairs, on_replace=say_replaced, saved=saved)
+
+
+def saved_run_config(args: argparse.Namespace, default: Path) -> dict | None:
+    """--resume without --config: the config the run was trained with (RUN/config.json), not
+    the default file's, said in one line; None otherwise, or where the run has none (the
+    stage's own checks then say what is wrong with the run)."""
+    if not args.resume or args.config is not None:
+        return None
+    import json
+
+    saved = (Path(args.out) if args.out else Path("runs") / default.stem) / "config.json"
+    try:
+        config = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    print(printable(f"config: the run's own, {saved} (no --config given)"), file=sys.stderr)
+    return config
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ the text comes from (`data.input`, `data.dataset`) also drops the file's other s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import tomllib
 from collections.abc import Callable, Sequence
@@ -89,15 +90,19 @@ def load_config(
     path: str | Path | None,
     overrides: Sequence[str | tuple[str, Any]] = (),
     on_replace: OnReplace | None = None,
+    saved: dict[str, Any] | None = None,
 ) -> Config:
-    """Read a TOML config (or the defaults when `path` is None), apply overrides, validate.
+    """Read a TOML config (or the defaults when `path` is None; with `saved`, a run's saved
+    config.json as read, instead of the file), apply overrides, validate.
 
     An override is a `"key=value"` string or an already parsed `(key, value)` pair; it wins
     over the file, and later ones win over earlier ones. A non-empty override of a key in
     ALTERNATIVES removes the file's value of the other key, and `on_replace` hears of it.
     """
     raw: dict[str, Any] = {}
-    if path is not None:
+    if saved is not None:
+        raw = copy.deepcopy(saved)
+    elif path is not None:
         raw = read_toml(Path(path))
         raw.setdefault("name", Path(path).stem)
     pairs = [parse_override(item) if isinstance(item, str) else item for item in overrides]

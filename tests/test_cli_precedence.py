@@ -245,3 +245,10 @@ def test_tinystories_config_trains_on_a_local_file(tmp_path, capsys, monkeypatch
     assert [line for line in lines if line.startswith("resume:")] == [
         f"{note} --dataset {dataset}"
     ], lines
+    # Without --config: the run's own config (its shrunk model, its file), not the default
+    # config's, which would not fit the checkpoint.
+    code, lines = run_main(capsys, "--train", "--resume", "--out", out, "train.max_steps=10")
+    assert code == 0, lines
+    assert f"config: the run's own, {out / 'config.json'} (no --config given)" in lines
+    assert any("resuming at step 8" in line for line in lines), lines
+    assert json.loads((out / "config.json").read_text())["model"] == recorded["model"]
