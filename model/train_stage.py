@@ -191,7 +191,7 @@ def _calls_note(t) -> str:
     """The summary's word on train.steps_per_call: how many steps a call runs, or why one."""
     if t.steps_per_call == 1:
         return ""
-    every = min(t.log_interval, t.eval_interval, t.checkpoint_interval or t.eval_interval)
+    every = min(t.log_interval, t.eval_interval, t.checkpoint_every)
     if t.steps_per_call > every:
         return (
             f", one step a call (train.steps_per_call = {t.steps_per_call} would pass the "

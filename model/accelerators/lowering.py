@@ -174,11 +174,8 @@ def _train_step_tracer(train_cfg, model_cfg: ModelConfig, fsdp: bool, calls: int
 
     def trace():
         trainer = Trainer(dataclasses.replace(train_cfg, fsdp=fsdp), model_cfg, abstract=True)
-        x, _ = trainer.batch_shapes()
-        if calls == 1:
-            return trainer.train_step.trace(trainer.initial_state(), x, x)
-        xs = jax.ShapeDtypeStruct((calls, *x.shape), x.dtype, sharding=trainer.steps_sharding)
-        return trainer.train_steps.trace(trainer.initial_state(), xs, xs)
+        program = trainer.train_step if calls == 1 else trainer.train_steps
+        return program.trace(trainer.initial_state(), *trainer.batch_shapes(steps=calls))
 
     return trace
 

@@ -103,6 +103,11 @@ class TrainConfig:
         """
         return max(((start, rows) for start, rows in self._stages() if start <= step))[1]
 
+    @property
+    def checkpoint_every(self) -> int:
+        """Steps between checkpoints: checkpoint_interval, or eval_interval."""
+        return self.checkpoint_interval or self.eval_interval
+
     def steps_in_call(self, step: int) -> int:
         """Steps the call from `step` runs: train.steps_per_call, or 1 (a call per step) where
         that many would pass the next log, evaluation or checkpoint step, batch-size change or
@@ -113,10 +118,8 @@ class TrainConfig:
         >>> [t.steps_in_call(s) for s in (0, 20, 40, 49, 50, 70, 90)]
         [20, 20, 1, 1, 20, 20, 1]
         """
-        checkpoint = self.checkpoint_interval or self.eval_interval
-        ends = [self.max_steps]
-        ends += [(step // every + 1) * every
-                 for every in (self.log_interval, self.eval_interval, checkpoint)]  # fmt: skip
+        intervals = (self.log_interval, self.eval_interval, self.checkpoint_every)
+        ends = [self.max_steps, *((step // every + 1) * every for every in intervals)]
         ends += [start for start, _ in self._stages() if start > step]
         return self.steps_per_call if step + self.steps_per_call <= min(ends) else 1
 

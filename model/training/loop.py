@@ -133,7 +133,6 @@ class TrainingLoop:
     def _train(self, stop: StopRequests) -> bool:
         """Step until train.max_steps; True when every process agreed to stop before it."""
         t, s, trainer = self.cfg, self.state, self.trainer
-        checkpoint_every = t.checkpoint_interval or t.eval_interval
         while s.step < t.max_steps:
             # With several processes all stop at the same step: a signal may reach only one of
             # them, and the checkpoint that follows is collective.
@@ -157,7 +156,7 @@ class TrainingLoop:
             if s.step % t.log_interval == 0 or s.step == t.max_steps:
                 s.pending = (s.step, metrics)
             is_eval = s.step % t.eval_interval == 0 or s.step == t.max_steps
-            if is_eval or s.step % checkpoint_every == 0:
+            if is_eval or s.step % t.checkpoint_every == 0:
                 self._flush()  # the NaN check, before anything is saved
                 if is_eval:
                     since = time.perf_counter()

@@ -233,8 +233,8 @@ class Trainer:
         n = self.train_cfg.steps_in_call(0)
         if n == 1:
             return self.train_step, (shapes, x, x)
-        xn = jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=self.steps_sharding)
-        return self.train_steps, (shapes, xn, xn)
+        xs = self._stacked_struct(x, n)  # step 0's batch size (a schedule's first)
+        return self.train_steps, (shapes, xs, xs)
 
     # -- the compiled functions ------------------------------------------------------------
 
@@ -302,11 +302,17 @@ class Trainer:
         x, y = sample_batch(tokens, shape[0] * shape[1], shape[2], t.seed, step, stream)
         return x.reshape(shape), y.reshape(shape)
 
-    def batch_shapes(self, rows: int | None = None) -> tuple:
+    def batch_shapes(self, rows: int | None = None, steps: int = 1) -> tuple:
         """`batch`'s (x, y) as ShapeDtypeStructs with their sharding, for tracing (training:
-        the full train.batch_size, the largest program a batch-size schedule runs)."""
+        the full train.batch_size, the largest program a batch-size schedule runs); with
+        `steps` > 1, `batches`' for a call of that many steps."""
         x = self._batch_struct(self._batch_shape(rows))
+        x = x if steps == 1 else self._stacked_struct(x, steps)
         return x, x
+
+    def _stacked_struct(self, x: jax.ShapeDtypeStruct, steps: int) -> jax.ShapeDtypeStruct:
+        """`steps` batches shaped as `x`, stacked and laid out as `batches` places them."""
+        return jax.ShapeDtypeStruct((steps, *x.shape), x.dtype, sharding=self.steps_sharding)
 
     def _batch_struct(self, shape: tuple) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
