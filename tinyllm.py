@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Imported late so that --help and flag errors answer at once, without loading JAX.
     from model.training.errors import TrainingDiverged
+    from plumbing.collector import start_up
     from plumbing.signals import Stopped, raise_on_sigterm
 
     raise_on_sigterm()  # SIGTERM unwinds like Ctrl-C: temp files are removed on the way out
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.debug:
         quiet_background_errors()
     try:
-        return run(args)
+        with start_up():  # the collector's passes over the imports: see plumbing/collector.py
+            return run(args)
     except UsageError as err:
         if args.debug:
             raise

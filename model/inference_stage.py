@@ -30,6 +30,7 @@ from model.decoding.programs import DecodePrograms, compile_programs
 from model.decoding.prompts import check_text, encode_prompt, stop_token_of
 from model.network.gpt import GPT
 from model.rundir.trained import load_for_sampling
+from plumbing.collector import start_up_done
 from plumbing.errors import UsageError
 from tokenizer import Tokenizer
 
@@ -56,6 +57,7 @@ def run_inference(
     if s.prompt is not None:
         check_text(s.prompt)
     tokenizer, model = load_for_sampling(run_dir, cfg.init_from, cfg.model, program_cache)
+    start_up_done()  # the collector leaves start-up's objects alone from here
     if s.prompt is not None:
         encode_prompt(tokenizer, s.prompt, model.cfg.block_size)  # refuse it before compiling
     # Compile everything before the first token, and in the loop before the first prompt is

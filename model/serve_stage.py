@@ -25,6 +25,7 @@ from pathlib import Path
 from configs.schema import Config
 from model.rundir.trained import load_for_sampling
 from model.serving.config import API_KEY_ENV, ServeConfig
+from plumbing.collector import start_up_done
 from plumbing.errors import UsageError
 
 GRACE_S = 3  # how long requests in flight may finish after Ctrl-C or SIGTERM
@@ -43,6 +44,7 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
     from model.serving.guard import guarded_h11
 
     tokenizer, model = load_for_sampling(run_dir, cfg.init_from, cfg.model)
+    start_up_done()  # the collector leaves start-up's objects alone from here
     name = (
         (Path(cfg.init_from).name or cfg.init_from)
         if cfg.init_from

@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from plumbing.collector import freeze_made_so_far
+
 
 def exports_on_first_use(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
     """A module `__getattr__` that imports `exports[name]` (a module path) when `name` is
@@ -45,6 +47,7 @@ def in_background(name: str, work: Callable[[], object]) -> threading.Thread:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         work()
+        freeze_made_so_far()  # what an import made is no garbage (plumbing/collector.py)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()

@@ -44,6 +44,7 @@ from model.training.metrics import (
 )
 from model.training.tracking import open_tracker
 from model.training.trainer import Trainer, TrainState
+from plumbing.collector import start_up_done
 from plumbing.progress import ProgressBar
 from plumbing.signals import Stopped, StopRequests
 
@@ -107,6 +108,7 @@ class TrainingLoop:
 
     def run(self) -> dict:
         """Train to the end (or to a stop); returns the last logged record."""
+        start_up_done()  # the collector leaves start-up's objects alone from here
         with StopRequests() as stop:
             try:
                 stopped_early = self._train(stop)
