@@ -3,15 +3,16 @@
 A run imports JAX, flax, optax, orbax and matplotlib and builds their caches. That makes about
 a million objects, and none of them is garbage. With Python's default thresholds the
 collector still makes full passes over all of them, several times during start-up and again
-at the run's end. On 2 cores of an AVX-512 Xeon, the fast Shakespeare config's run spent
-0.46-0.50 s in collections. The passes of 0.1-0.17 s each fell on the
-start-up, the first steps and the last checkpoint.
+at the run's end. On 2 cores of an AVX-512 Xeon, the fast Shakespeare config's runs spent
+0.39-0.89 s in collections; the full passes, 0.1-0.17 s each, fell on the start-up, the
+first steps and the last checkpoint (0.13-0.26 s in all with this module; docs/recipe.md).
 
 So the command line starts under `start_up()`, whose first threshold is large: a pass comes
-every 200,000 new objects instead of 700. Then `start_up_done()` moves every object made so
-far into the permanent generation (`gc.freeze`), where no pass walks it, and puts the
-thresholds back. A stage calls it once its long work begins (training's first step, a model
-loaded to sample). The background imports (plumbing.lazy) freeze what they made too.
+every 200,000 new objects instead of 700 (2,000 from Python 3.13). Then `start_up_done()`
+moves every object made so far into the permanent generation (`gc.freeze`), where no pass
+walks it, and puts the thresholds back. A stage calls it once its long work begins
+(training's loop, a model loaded to sample). The background imports (plumbing.lazy) freeze
+what they made too.
 
 The collector is never switched off, so memory stays bounded even where `start_up_done` is
 never called. What it costs: a cycle made during start-up and dropped later is not
