@@ -270,22 +270,24 @@ def saved_run_config(args: argparse.Namespace, default: Path) -> dict | None:
     stage's own checks then say what is wrong with the run)."""
     if not args.resume or args.config is not None:
         return None
-    import json
+    from model.rundir.layout import CONFIG_FILE, read_saved_config
 
-    saved = (Path(args.out) if args.out else Path("runs") / default.stem) / "config.json"
-    try:
-        config = json.loads(saved.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    print(printable(f"config: the run's own, {saved} (no --config given)"), file=sys.stderr)
+    run_dir = run_dir_of(args, default.stem)
+    config = read_saved_config(run_dir)
+    if config is not None:
+        line = f"config: the run's own, {run_dir / CONFIG_FILE} (no --config given)"
+        print(printable(line), file=sys.stderr)
     return config
+
+
+def run_dir_of(args: argparse.Namespace, name: str) -> Path:
+    """--out, or runs/<the config's name>."""
+    return Path(args.out) if args.out else Path("runs") / name
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = command_line_config(args)
-    run_dir = Path(args.out) if args.out else Path("runs") / cfg.name
+    run_dir = run_dir_of(args, cfg.name)
     from model.processes.cpu_kernels import configure_cpu_kernels
     from model.processes.distributed import check_single_process_stages, multi_process_requested
 

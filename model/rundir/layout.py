@@ -20,6 +20,7 @@ them.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -33,6 +34,16 @@ CONFIG_FILE = "config.json"  # the resolved config of the run
 TOKENS_DIR = "tokens"  # the encoded-token cache
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+
+
+def read_saved_config(run_dir: Path) -> dict | None:
+    """The run's resolved config (config.json) as saved, or None where it is missing,
+    unreadable or not a JSON object."""
+    try:
+        saved = json.loads((Path(run_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) else None
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:

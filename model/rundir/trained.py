@@ -33,6 +33,7 @@ from model.rundir.layout import (
     TOKENIZER_FILE,
     has_checkpoint,
     has_quantized_checkpoint,
+    read_saved_config,
 )
 from plumbing.errors import UsageError
 from plumbing.hashing import file_sha256
@@ -155,11 +156,8 @@ def started_from(run_dir: Path, init_from: str) -> bool:
     run_dir = Path(run_dir)
     if not (has_checkpoint(run_dir) or has_quantized_checkpoint(run_dir)):
         return False
-    try:
-        saved = json.loads((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(saved, dict) and saved.get("init_from") == init_from
+    saved = read_saved_config(run_dir)
+    return saved is not None and saved.get("init_from") == init_from
 
 
 def load_for_sampling(
