@@ -28,6 +28,7 @@ def test_vocab_is_the_sorted_set_of_characters():
 def test_round_trip_on_its_alphabet(text):
     tok = CharTokenizer.train(CORPUS)
     assert tok.decode(tok.encode(text)) == text
+    assert tok.encode_array(text).tolist() == tok.encode(text)  # the corpus path's lookup
     with mock.patch.object(base, "STREAM_PIECE_CHARS", 2):
         assert list(tok.encode_iterable([text[:3], text[3:]])) == tok.encode(text)
 
@@ -41,11 +42,19 @@ def test_unknown_characters_are_a_usage_error_naming_them():
     assert "\n" not in message  # one line for the CLI
 
 
+def test_the_array_encoder_refuses_what_encode_refuses():
+    tok = CharTokenizer.train(CORPUS)
+    for text in ["hello ☃", "ab\ud800", "a" + chr(0x10FFFF), "\t"]:  # above the table, inside
+        with pytest.raises(UsageError, match="has no"):
+            tok.encode_array(text)
+
+
 def test_special_tokens_get_ids_after_the_characters():
     text = f"ab{EOT}ba{EOT}"
     tok = CharTokenizer.train([text[:5], text[5:]], special_tokens=[EOT])
     assert tok.special_tokens == {EOT: 2}
     assert tok.encode(f"a{EOT}b") == [0, 2, 1]
+    assert tok.encode_array(f"a{EOT}b{EOT}").tolist() == [0, 2, 1, 2]
     assert tok.decode(tok.encode(text)) == text
 
 

@@ -127,10 +127,11 @@ def encode_to_file(
     (char, BPE on a user's pattern) works through its `encode`."""
     specials_re = getattr(tokenizer, "_specials_re", None)
     max_special_len = getattr(tokenizer, "_max_special_len", 0)
-    if getattr(tokenizer, "uses_c_core", False):
-        encode, workers = tokenizer.encode_array, workers or c_core.worker_count()
-    else:
-        encode, workers = tokenizer.encode, 1
+    # Arrays of ids where the tokenizer makes them (no Python int per token); threads where
+    # the C core releases the GIL.
+    encode = getattr(tokenizer, "encode_array", tokenizer.encode)
+    threads = getattr(tokenizer, "uses_c_core", False)
+    workers = (workers or c_core.worker_count()) if threads else 1
     pieces = iter_safe_pieces(
         _slices(parts, ENCODE_PIECE_CHARS), specials_re, max_special_len, ENCODE_PIECE_CHARS
     )
