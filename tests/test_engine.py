@@ -273,7 +273,7 @@ def test_a_chunk_leaves_free_rows_caches_as_they_were_and_decodes_busy_rows_alik
     # reach their kept prompts, and a busy row decodes as it would alone.
     from flax import nnx
 
-    from model.serving.batch import batch_chunk, batch_settings, empty_batch
+    from model.serving.batch import attended_cache, batch_chunk, batch_settings, empty_batch
 
     graphdef, state = nnx.split(model)
     batch = empty_batch(model, rows=4)
@@ -284,8 +284,14 @@ def test_a_chunk_leaves_free_rows_caches_as_they_were_and_decodes_busy_rows_alik
     settings = jax.tree.map(jnp.asarray, batch_settings(4))
     active = jnp.array([True, False, True, False])
     length = 48
-    after, out = batch_chunk(graphdef, state, batch, settings, active, np.int32(4),
-                             chunk_size=4, rows=4, length=length)  # fmt: skip
+    attended = attended_cache(batch, rows=4, length=length)
+    (after, attended), out = batch_chunk(graphdef, state, (batch, attended), settings, active,
+                                         np.int32(4), chunk_size=4, rows=4)  # fmt: skip
+    # The attended slots it hands back are the batch's, written alike: the next chunk of this
+    # shape reads them instead of copying them out of the batch again.
+    expected = attended_cache(after, rows=4, length=length)
+    for got, want in zip(jax.tree.leaves(attended), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     pairs = zip(jax.tree.leaves(before["cache"]), jax.tree.leaves(after["cache"]), strict=True)
     for old, new in pairs:
         np.testing.assert_array_equal(np.asarray(new)[[1, 3]], old[[1, 3]])  # every slot
@@ -295,9 +301,36 @@ def test_a_chunk_leaves_free_rows_caches_as_they_were_and_decodes_busy_rows_alik
     alone = empty_batch(model, rows=4)
     alone["cache"] = jax.tree.map(lambda x: x + noise, alone["cache"])
     alone["pos"] = jnp.array([5, 0, 0, 0], jnp.int32)
-    _, alone_out = batch_chunk(graphdef, state, alone, settings, jnp.array([True] + [False] * 3),
-                               np.int32(4), chunk_size=4, rows=1, length=length)  # fmt: skip
+    alone_carry = (alone, attended_cache(alone, rows=1, length=length))
+    _, alone_out = batch_chunk(graphdef, state, alone_carry, settings,
+                               jnp.array([True] + [False] * 3), np.int32(4), chunk_size=4,
+                               rows=1)  # fmt: skip
     np.testing.assert_array_equal(np.asarray(out["token"])[0], np.asarray(alone_out["token"])[0])
+
+
+def test_chunks_of_one_shape_read_the_attended_slots_the_chunk_before_left(engine):
+    # Copying a chunk's attended slots out of the batch costs more than a step's attention
+    # reads; it is made again only when the shape changes or a row is put in.
+    counts = {"copies": 0, "chunks": 0}
+    kept = dict(engine.programs.attended), dict(engine.programs.chunks)
+
+    def counted(program, name):
+        def call(*args):
+            counts[name] += 1
+            return program(*args)
+
+        return call
+
+    engine.programs.attended.update({k: counted(p, "copies") for k, p in kept[0].items()})
+    engine.programs.chunks.update({k: counted(p, "chunks") for k, p in kept[1].items()})
+    try:
+        tokens = run(engine, [5, 6, 7], 44, sampling=SamplingParams(seed=1, temperature=0.0))
+    finally:
+        engine.programs.attended.update(kept[0])
+        engine.programs.chunks.update(kept[1])
+    assert tokens.of("done")[0]["completion_tokens"] == 44, counts
+    assert counts["chunks"] >= 11, counts  # 1 step after the admission, then chunks of 4
+    assert counts["copies"] == 2, counts  # 32 slots from the admission, then 64 (BLOCK)
 
 
 def test_the_full_batch_attends_over_eighths_of_the_context_and_fewer_rows_over_quarters():

@@ -75,6 +75,7 @@ from model.serving.batch import (
     put_row,
     take_row,
 )
+from model.serving.programs import attended_like
 from model.training.trainer import Trainer, eval_chunk
 from plumbing.errors import UsageError
 
@@ -237,8 +238,9 @@ def serving_programs(cfg) -> list[Program]:
                 return take_row.trace(batch, scalar)
             settings = _on_device(batch_settings(rows))
             active = _on_device(jax.ShapeDtypeStruct((rows,), jnp.bool_))
+            attended = attended_like(batch, rows, model_cfg.block_size)
             return batch_chunk.trace(
-                graphdef, state, batch, settings, active, _n_steps(scalar),
+                graphdef, state, (batch, attended), settings, active, _n_steps(scalar),
                 chunk_size=cfg.serve.chunk_steps, rows=rows,
             )  # fmt: skip
 

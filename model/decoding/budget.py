@@ -19,7 +19,8 @@ MEMORY_SHARE = 0.8  # of the memory available, the most a generation may plan to
 def decode_bytes_per_sample(cfg: ModelConfig, use_cache: bool) -> int:
     """A generous estimate of the memory one sample of a batch needs while decoding.
 
-    Counted: the KV cache (twice: a step may hold the old and the new copy), the context
+    Counted: the KV cache (twice: a step may hold the old and the new copy; a serving batch
+    keeps a copy of the slots its chunks attend over beside its cache), the context
     buffer, the logits and the sampling filters' work arrays over the vocabulary, and the
     activations of a refill (cached) or of a full forward (uncached: attention scores too).
     """
@@ -29,7 +30,7 @@ def decode_bytes_per_sample(cfg: ModelConfig, use_cache: bool) -> int:
     hidden = max(cfg.mlp_width, cfg.expert_width * max(cfg.moe_top_k, 1))
     total = 8 * s + 8 * v * 4  # context buffers; logits, sort, softmax, cumsum, scatter
     if use_cache:
-        total += 2 * (2 * cfg.n_layer * s * a * item)  # k and v per layer, old + new copy
+        total += 2 * (2 * cfg.n_layer * s * a * item)  # k and v per layer, two copies
         w = window_size(s)
         total += w * (3 * a + hidden + 2 * d) * 4 + 2 * h * w * s * 4  # one refill's work
     else:

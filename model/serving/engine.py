@@ -109,6 +109,10 @@ class Engine:
         self.outboxes: list[Outbox | None] = [None] * rows
         self.kept: list[KeptPrefix | None] = [None] * rows
         self._in_flight: Launched | None = None  # the chunk launched last, not yet delivered
+        # The cache slots the last chunk attended over, written by it, and its (rows, length):
+        # the next chunk of that shape reads them as they are (model/serving/batch.py). None
+        # once a row is put into the batch.
+        self._attended: tuple[tuple[int, int], list] | None = None
         # -- shared, under _lock --
         self._lock = threading.Condition()
         self.waiting: collections.deque[Request] = collections.deque()
@@ -283,7 +287,7 @@ class Engine:
         if scored:  # the reused positions' scores come from the kept prefix
             scores = {k: np.concatenate([kept.scores[k][:start], v[0]]) if start else v[0]
                       for k, v in scores.items()}  # fmt: skip
-        self.batch = put_row(self.batch, row, np.int32(slot))
+        self._put_row(row, slot)
         self.pos[slot] = keep
         self.kept[slot] = KeptPrefix(prompt[:keep], scores)
         set_row_settings(self.settings, slot, request.sampling, self.stop_token)
@@ -313,7 +317,7 @@ class Engine:
             return self.programs.refills[width, False](self.state, carry, shift, at, keep), None
 
         row = prefill_pieces(run, row, shift=shift, keep=keep, widths=(self.window,))[0]
-        self.batch = put_row(self.batch, row, np.int32(slot))
+        self._put_row(row, slot)
         self.pos[slot] = keep
         self.kept[slot] = None  # the cache now holds other tokens at those positions
 
@@ -330,10 +334,22 @@ class Engine:
                 length=int(self.pos[busy].max()) + steps if busy.size else 1,
             )
         settings, on_device = self._device_inputs(active)
-        program = self.programs.chunks[rows, length]
-        self.batch, out = program(self.state, self.batch, settings, on_device, np.int32(steps))
+        shape = (rows, length)
+        if self._attended is None or self._attended[0] != shape:
+            self._attended = (shape, self.programs.attended[shape](self.batch))
+        program = self.programs.chunks[shape]
+        carry = (self.batch, self._attended[1])
+        (self.batch, attended), out = program(
+            self.state, carry, settings, on_device, np.int32(steps)
+        )
+        self._attended = (shape, attended)
         self.pos[active] += steps
         return out
+
+    def _put_row(self, row: dict, slot: int) -> None:
+        """Row `slot` of the batch becomes `row`; the kept attended slots no longer match."""
+        self._attended = None
+        self.batch = put_row(self.batch, row, np.int32(slot))
 
     def _device_inputs(self, active: np.ndarray) -> tuple[dict, jax.Array]:
         key = active.tobytes() + b"".join(v.tobytes() for v in self.settings.values())

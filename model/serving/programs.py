@@ -5,6 +5,8 @@
   rows), attending over a few cache lengths per row count (`attention_lengths`). On GPUs each
   shape is two programs, of `chunk_steps` steps and of one (a step count known when
   compiling: `model.decoding.steps.fixed_step_counts`); on a CPU one takes the count.
+  Each shape also has the program that copies out the cache slots it attends over
+  (`attended_cache`), kept between its chunks (model/serving/batch.py).
 - A prefill runs one row's prompt in pieces of 16, 32, ... tokens up to `--inference`'s refill
   window, with or without the prompt's scores (`echo` with `logprobs`).
 
@@ -30,7 +32,7 @@ import jax
 import numpy as np
 
 from model.decoding.steps import by_fixed_counts, fixed_step_counts, refill, start_carry
-from model.serving.batch import attention_lengths, batch_chunk
+from model.serving.batch import attended_cache, attention_lengths, batch_chunk
 
 
 class EnginePrograms:
@@ -45,6 +47,7 @@ class EnginePrograms:
         # The full batch attends over eighths of the context, fewer rows over coarser lengths.
         self.lengths = {n: attention_lengths(size, fine=n == rows) for n in self.row_counts}
         self.chunks: dict[tuple[int, int], Callable] = {}
+        self.attended: dict[tuple[int, int], jax.stages.Compiled] = {}
         self.refills: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self.fixed_counts = False  # whether `compile` made fixed-count chunks (two a shape)
 
@@ -74,15 +77,29 @@ class EnginePrograms:
         counts = [(self.chunk_steps, None), (1, None)] if fixed else [(self.chunk_steps, scalar)]
         chunks = [(shape, count) for shape in self.shapes() for count in counts]
         jobs += [
-            partial(batch_chunk.lower, graphdef, state, batch, settings, active, n_steps,
-                    chunk_size=size, rows=rows, length=length)
-            for (rows, length), (size, n_steps) in chunks
+            partial(batch_chunk.lower, graphdef, state, (batch, attended_like(batch, *shape)),
+                    settings, active, n_steps, chunk_size=size, rows=shape[0])
+            for shape, (size, n_steps) in chunks
         ]  # fmt: skip
+        jobs += [
+            partial(attended_cache.lower, batch, rows=rows, length=length)
+            for rows, length in self.shapes()
+        ]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             compiled = list(pool.map(lambda lower: lower().compile(), jobs))
         self.refills = dict(zip(refills, compiled[: len(refills)], strict=True))
-        programs = iter(compiled[len(refills) :])
+        self.attended = dict(zip(self.shapes(), compiled[-len(self.shapes()) :], strict=True))
+        programs = iter(compiled[len(refills) : -len(self.shapes())])
         for shape in self.shapes():
             full = next(programs)
             one = next(programs) if fixed else None
             self.chunks[shape] = by_fixed_counts(full, one, self.chunk_steps) if fixed else full
+
+
+def attended_like(batch: dict, rows: int, length: int) -> list[dict]:
+    """`attended_cache(batch, rows=rows, length=length)` as shapes, on the batch's device."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((rows, x.shape[1], length, *x.shape[3:]), x.dtype,
+                                       sharding=x.sharding),
+        batch["cache"],
+    )  # fmt: skip
