@@ -19,6 +19,7 @@ import json
 import sys
 from collections.abc import Collection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -35,7 +36,7 @@ from model.training.data import (
     load_token_splits,
     remove_cache_leftovers,
 )
-from model.training.loop import TrainingLoop
+from model.training.kept_programs import first_call_kind, read_ahead, training_arguments
 from model.training.memory import check_training_memory
 from model.training.resume import (
     check_compatible,
@@ -47,12 +48,14 @@ from model.training.resume import (
     resumed_data,
 )
 from model.training.tracking import require_tracker
-from model.training.trainer import Trainer, TrainState
 from plumbing.atomic import write_atomic
 from plumbing.errors import UsageError
 from plumbing.hashing import file_sha256
 from tokenizer import Tokenizer, load_tokenizer
 from tokenizer.corpus import corpus_for
+
+if TYPE_CHECKING:
+    from model.training.trainer import Trainer, TrainState
 
 
 def run_train(
@@ -81,6 +84,14 @@ def run_train(
     model_cfg = _model_config(cfg, tokenizer)
     # A model too big for this machine: one line now, not an out-of-memory traceback later.
     check_training_memory(model_cfg, cfg.train)
+    # The first call's kept program read from the config alone, while the model's code is
+    # imported (Flax: the trainer and the loop import it).
+    ahead = read_ahead(
+        programs, training_arguments(cfg.train, model_cfg), [first_call_kind(cfg.train)]
+    )
+    from model.training.loop import TrainingLoop
+    from model.training.trainer import Trainer
+
     checkpoints = Checkpoints(run_dir)
     try:
         if is_primary():  # what a killed run left: orbax temp dirs, cache temp files
@@ -94,7 +105,7 @@ def run_train(
             cfg = dataclasses.replace(cfg, data=data)
             check_compatible(saved, model_cfg, tokenizer_sha)
             check_same_optimizer(saved, cfg.train)
-        trainer = Trainer(cfg.train, model_cfg, programs=programs)
+        trainer = Trainer(cfg.train, model_cfg, programs=programs, ahead=ahead)
         # Kept programs read on threads of their own while the corpus is read and encoded.
         trainer.prefetch_programs(fresh=not resume and not cfg.init_from)
         corpus = corpus_for(cfg.data)

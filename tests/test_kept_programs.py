@@ -27,7 +27,8 @@ from model.training.trainer import Trainer, seed_key
 from tests.jax_events import COMPILE_EVENT, TRACE_EVENT, jax_events
 from tests.tiny_runs import ROOT, TINY_TRAIN, run_python_json, write_word_corpus
 
-KINDS = {"train-init-params", "train-init-optimizer", "train-step", "train-evaluation"}
+PROGRAMS = {"train-init-params", "train-init-optimizer", "train-step", "train-evaluation"}
+KINDS = PROGRAMS | {"train-initial-params"}  # the initialiser's output is kept too
 _NEW_SIZES = itertools.count(3)
 
 
@@ -72,29 +73,33 @@ def test_a_second_run_reads_every_program_and_trains_the_same(tmp_path):
     cache = tmp_path / "cache"
     first = train(tmp_path, "first", cache)
     assert set(entries(cache / "programs")) == KINDS
-    assert all("compiled" in line for line in first) and len(first) == len(KINDS)
+    assert all("compiled" in line for line in first) and len(first) == len(PROGRAMS)
     second = train(tmp_path, "second", cache)
-    # A fresh run's programs are all read ahead (Trainer.prefetch_programs), for the
-    # signatures the run then calls them with: read once, not again on the first call.
-    read_ahead = {"train-init-params", "train-init-optimizer", "train-step", "train-evaluation"}
-    assert sorted(line.split("debug: ")[-1] for line in second) == sorted(
-        f"{kind}: kept program read" + (" ahead" if kind in read_ahead else "") for kind in KINDS
-    )
+    # A fresh run's programs are read ahead (Trainer.prefetch_programs), for the signatures
+    # the run then calls them with: read once, not again on the first call. The first call's
+    # step is read before the trainer exists, from the config alone (ReadAhead). The
+    # initialiser's program is not read at all: its output, the parameters, is kept.
+    assert sorted(line.split("debug: ")[-1] for line in second) == [
+        "train-evaluation: kept program read ahead",
+        "train-init-optimizer: kept program read ahead",
+        "train-step: kept program read ahead from the config",
+    ]
     assert metrics(tmp_path / "second") == metrics(tmp_path / "first")
     # Another learning rate is another program (the schedule's constants), not the kept one.
     third = train(tmp_path, "third", cache, "train.learning_rate=1e-3")
     assert "train-step: kept program compiled" in "\n".join(third)
-    # Each config points at its program, kept once under a digest of its lowered text.
-    assert len(entries(cache / "programs")["train-step"]) == 4
+    # Each config points at its program, kept once under a digest of its lowered text (and
+    # at the entry its first call reads ahead).
+    assert len(entries(cache / "programs")["train-step"]) == 6
     assert metrics(tmp_path / "third")[-1] != metrics(tmp_path / "first")[-1]
     # A config that differs where the programs do not (how often it logs) finds them under
     # their text: it compiles nothing and trains as the first.
     fourth = train(tmp_path, "fourth", cache, "train.log_interval=2")
-    assert len(fourth) == len(KINDS) and not [line for line in fourth if "compiled" in line]
+    assert len(fourth) == len(PROGRAMS) and not [line for line in fourth if "compiled" in line]
     logged = metrics(tmp_path / "fourth")
     assert len(logged) < len(metrics(tmp_path / "first"))
     assert all(record in metrics(tmp_path / "first") for record in logged)
-    assert len(entries(cache / "programs")["train-step"]) == 5  # its pointer only
+    assert len(entries(cache / "programs")["train-step"]) == 8  # its pointers only
 
 
 def test_a_trainer_whose_programs_are_kept_traces_and_compiles_nothing(tmp_path):
@@ -194,7 +199,7 @@ def test_an_entry_that_loads_and_does_not_run_is_compiled_again(tmp_path, compil
     def broken(*args):
         raise RuntimeError("Function main.1 not found")
 
-    monkeypatch.setattr(kept_programs, "_deserialize", lambda stored, devices: broken)
+    monkeypatch.setattr(kept_programs, "loaded", lambda part: broken)
     got = run_program(program(cache, size), size)
     assert len(compiles) == 2
     np.testing.assert_array_equal(got[0], expected[0])
@@ -205,8 +210,8 @@ def test_a_program_read_ahead_from_shapes_runs_as_the_one_read_on_call(tmp_path,
     expected = run_program(program(cache, size), size)
     reads = []
     prog = program(cache, size)
-    original = prog._read
-    prog._read = lambda entry: reads.append(entry) or original(entry)
+    original = prog._read_part
+    prog._read_part = lambda entry: reads.append(entry) or original(entry)
     like = jax.ShapeDtypeStruct((size,), jnp.float32, sharding=jnp.ones(1).sharding)
     prog.prefetch(like, like)
     prog.prefetch(like, like)  # asked twice: read once

@@ -89,6 +89,10 @@ class ProgramCache:
             os.utime(path)  # recently used: the last to be removed
         return value
 
+    def has(self, kind: str, arguments: Any) -> bool:
+        """Whether an entry for (kind, arguments) is there (not whether it reads back)."""
+        return self._path(kind, arguments).is_file()
+
     def put(self, kind: str, arguments: Any, value: Any) -> None:
         """Store a value; a folder that cannot be written only means no cache."""
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)

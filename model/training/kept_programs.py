@@ -23,9 +23,12 @@ processes compile their own (the cache is for one).
 Reading a kept program back takes XLA a while (half a second for a small model's training
 step on a 2-core machine), and XLA does most of it off the Python thread. `prefetch` starts
 that read on a thread of its own from the arguments' shapes, so that it runs while the process
-builds its first state; the first call then waits only for what is left of it. Nothing is
-traced or compiled off the main thread: a program that is not kept is compiled by the first
-call, as without `prefetch`.
+builds its first state; the first call then waits only for what is left of it. The first
+call's program is read earlier still, from the config alone, while the model's code is
+imported (`ReadAhead`: the config's pointer names the entry the run before called). Nothing
+is traced or compiled off the main thread: a program that is not kept is compiled by the
+first call, as without `prefetch`. The initialiser's output, a config's first parameters,
+is kept too (`KeptValue`): read back, it needs no program at all.
 
     >>> step = KeptProgram(jax.jit(f), cache, "train-step", {"train": ..., "model": ...},
     ...                    devices)                                        # doctest: +SKIP
@@ -35,6 +38,7 @@ call, as without `prefetch`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -42,9 +46,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
-from jax.experimental import serialize_executable
+import numpy as np
 
 from model.decoding.program_cache import ProgramCache, jax_disk_cache_off
+from model.training.executables import Loading, loaded, loading, stored_form
 
 _LOG = logging.getLogger("tinyllm")
 # Two readers for every prefetch: programs start loading in the order they were asked for
@@ -65,13 +70,15 @@ class KeptProgram:
         kind: str,
         arguments: dict[str, Any],
         devices: Sequence[jax.Device],
+        ahead: ReadAhead | None = None,
     ) -> None:
-        self.jitted, self.cache, self.kind = jitted, cache, kind
+        self.jitted, self.cache, self.kind, self.ahead = jitted, cache, kind, ahead
         self.arguments = {**arguments, "devices": [d.id for d in devices]}
         self.devices = list(devices)
         self._programs: dict[Any, Any] = {}
         self._unproven: set = set()  # loaded from disk, not yet run
-        self._reading: dict[Any, Future] = {}  # prefetched: the program or None, when read
+        self._reading: dict[Any, Future] = {}  # prefetched: its Loading or None, when read
+        self._early: set = set()  # of those, the ones `ahead` read before this existed
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.jitted, name)
@@ -85,7 +92,10 @@ class KeptProgram:
         if signature in self._programs or signature in self._reading:
             return
         entry = self._entry(args)
-        self._reading[signature] = _READER.submit(self._read, entry)
+        early = self.ahead.take(self.kind, entry) if self.ahead is not None else None
+        if early is not None:
+            self._early.add(signature)
+        self._reading[signature] = early or _READER.submit(self._read_part, entry)
 
     def __call__(self, *args):
         leaves, treedef = jax.tree_util.tree_flatten(args)
@@ -110,12 +120,13 @@ class KeptProgram:
     def _entry(self, args: tuple) -> dict[str, Any]:
         return {**self.arguments, "inputs": _inputs_of(args)}
 
+    def _read_part(self, entry: dict[str, Any]) -> Loading | None:
+        """The part of reading `entry` back that any thread may do (`_read_entry`)."""
+        return _read_entry(self.cache, self.kind, entry, self.devices)
+
     def _read(self, entry: dict[str, Any]) -> Any:
         """The kept program of `entry`, loaded; None if there is none (or it does not load)."""
-        stored = self.cache.get(self.kind, entry)
-        if isinstance(stored, dict):  # this config's pointer to the program under its text
-            stored = self.cache.get(self.kind, stored["program"])
-        return _deserialize(stored, self.devices) if stored is not None else None
+        return loaded(self._read_part(entry))
 
     def _load_or_compile(self, args: tuple, signature) -> Any:
         reading = self._reading.pop(signature, None)
@@ -123,7 +134,7 @@ class KeptProgram:
             entry = self._entry(args)
             program = self._read(entry)
         else:  # read ahead: its entry is needed only on a miss
-            entry, program = None, reading.result()
+            entry, program = None, loaded(reading.result())
         if program is None:
             entry = entry or self._entry(args)
             # Not under this config; perhaps another config (another train.max_steps with the
@@ -134,7 +145,10 @@ class KeptProgram:
             if program is None:
                 return self._compile_and_keep(args, lowered, by_text, entry)
             self.cache.put(self.kind, entry, {"program": by_text})
-        _LOG.debug("%s: kept program read%s", self.kind, "" if reading is None else " ahead")
+        how = "" if reading is None else " ahead"
+        if signature in self._early:
+            how += " from the config"
+        _LOG.debug("%s: kept program read%s", self.kind, how)
         self._unproven.add(signature)
         return program
 
@@ -152,7 +166,7 @@ class KeptProgram:
         with jax_disk_cache_off():
             compiled = lowered.compile()
         try:
-            payload = serialize_executable.serialize(compiled)
+            payload = stored_form(compiled)
         except Exception as err:  # constants in the program; JAX's own in-memory copy
             _LOG.debug("%s: not kept (%s)", self.kind, err)
         else:
@@ -163,11 +177,137 @@ class KeptProgram:
         return compiled
 
 
-def kept(jitted, cache: ProgramCache | None, kind: str, arguments: dict, devices):
-    """`jitted` itself without a cache or with several processes, else a KeptProgram."""
+STEP_KIND, STEPS_KIND = "train-step", "train-steps"  # one step a call; train.steps_per_call
+
+
+def training_arguments(train_cfg, model_cfg) -> dict[str, Any]:
+    """What the trainer's programs are kept under besides their arguments: the run's train
+    and model configs, and optax's version."""
+    import optax
+
+    return {
+        "train": dataclasses.asdict(train_cfg),
+        "model": dataclasses.asdict(model_cfg),
+        "optax": optax.__version__,
+    }
+
+
+def first_call_kind(train_cfg) -> str:
+    """The kind of the program a fresh run's first training call runs (Trainer._first_call)."""
+    return STEPS_KIND if train_cfg.steps_in_call(0) > 1 else STEP_KIND
+
+
+class ReadAhead:
+    """Kept programs read before the trainer that calls them exists: from the config alone,
+    while the model's code (Flax) is imported. A run's first call waited 0.4 - 0.5 s for its
+    program otherwise, on 2 cores (XLA rebuilds the program outside the GIL, so the import
+    goes on meanwhile). Which entry to read comes from the config's pointer, written by the
+    run before (`take`); the trainer's program takes the read only for the very entry its
+    arguments give, so a stale pointer costs a read, never a wrong program."""
+
+    def __init__(self, cache: ProgramCache, arguments: dict[str, Any], devices) -> None:
+        self.cache, self.devices = cache, list(devices)
+        self.arguments = {**arguments, "devices": [d.id for d in self.devices]}
+        self._reads: dict[str, tuple[Any, Future | None]] = {}
+
+    def start(self, kind: str) -> None:
+        """Start reading the program the pointer of `kind` names (if any) on a reader thread."""
+        pointer = self.cache.get(kind, self.arguments)
+        entry = pointer.get("entry") if isinstance(pointer, dict) else None
+        future = None
+        if isinstance(entry, dict):
+            future = _READER.submit(_read_entry, self.cache, kind, entry, self.devices)
+        self._reads[kind] = (entry, future)
+
+    def take(self, kind: str, entry: dict[str, Any]) -> Future | None:
+        """The read `start` began, if it was for `entry`; else None, and the pointer now
+        names `entry` for the next run. Kinds never started: None."""
+        if kind not in self._reads:
+            return None
+        started, future = self._reads.pop(kind)
+        if started == entry:
+            return future
+        self.cache.put(kind, self.arguments, {"entry": entry})
+        return None
+
+
+def read_ahead(
+    cache: ProgramCache | None, arguments: dict[str, Any], kinds: Sequence[str]
+) -> ReadAhead | None:
+    """A ReadAhead of `kinds` on this process's devices (the training mesh's), started; None
+    without a cache or with several processes (as `kept`)."""
+    if cache is None or jax.process_count() > 1:
+        return None
+    ahead = ReadAhead(cache, arguments, jax.devices())
+    for kind in kinds:
+        ahead.start(kind)
+    return ahead
+
+
+class KeptValue:
+    """The result of a call that takes no arguments and draws nothing but what its config
+    fixes (a config's initial parameters, from train.seed), kept beside the programs under
+    the config and the devices: a later run reads it back and places it as the program
+    would have, instead of reading that program back (277 small random-number kernels for
+    the fast Shakespeare config: 0.3 - 0.5 s on 2 cores). The cache's key covers everything
+    the program's output depends on (model/decoding/program_cache.py), as it does for the
+    program itself. Values above `MAX_BYTES` are not kept: reading them would cost more."""
+
+    MAX_BYTES = 32 << 20
+
+    def __init__(self, cache: ProgramCache, kind: str, arguments: dict[str, Any], devices):
+        self.cache, self.kind = cache, kind
+        self.entry = {**arguments, "devices": [d.id for d in devices]}
+
+    def kept(self) -> bool:
+        """Whether a value is there to read (not yet whether it reads back intact)."""
+        return self.cache.has(self.kind, self.entry)
+
+    def get(self, like) -> Any | None:
+        """The kept value, placed as `like` (ShapeDtypeStructs with shardings) says; None
+        where none is kept, or it does not match `like`'s leaves."""
+        stored = self.cache.get(self.kind, self.entry)
+        leaves, treedef = jax.tree_util.tree_flatten(like)
+        if not isinstance(stored, list) or len(stored) != len(leaves):
+            return None
+        if any(
+            not isinstance(a, np.ndarray) or a.shape != x.shape or a.dtype != x.dtype
+            for a, x in zip(stored, leaves, strict=True)
+        ):
+            return None
+        return jax.tree_util.tree_unflatten(
+            treedef, [jax.device_put(a, x.sharding) for a, x in zip(stored, leaves, strict=True)]
+        )
+
+    def put(self, value) -> None:
+        """Keep `value` (arrays) for the next run, unless it is larger than MAX_BYTES."""
+        leaves = jax.tree_util.tree_leaves(value)
+        if sum(x.size * x.dtype.itemsize for x in leaves) <= self.MAX_BYTES:
+            self.cache.put(self.kind, self.entry, [np.asarray(x) for x in jax.device_get(leaves)])
+
+
+def kept_value(cache: ProgramCache | None, kind: str, arguments: dict, devices):
+    """A KeptValue, or None without a cache or with several processes (as `kept`)."""
+    if cache is None or jax.process_count() > 1:
+        return None
+    return KeptValue(cache, kind, arguments, devices)
+
+
+def kept(jitted, cache: ProgramCache | None, kind: str, arguments: dict, devices, ahead=None):
+    """`jitted` itself without a cache or with several processes, else a KeptProgram (which
+    takes `ahead`'s read of its program, if any)."""
     if cache is None or jax.process_count() > 1:
         return jitted
-    return KeptProgram(jitted, cache, kind, arguments, devices)
+    return KeptProgram(jitted, cache, kind, arguments, devices, ahead)
+
+
+def _read_entry(cache: ProgramCache, kind: str, entry: dict[str, Any], devices) -> Loading | None:
+    """The kept program of `entry`, read and its executable rebuilt on `devices`, any thread
+    (model/training/executables.py); None if there is none (or it does not load)."""
+    stored = cache.get(kind, entry)
+    if isinstance(stored, dict):  # this config's pointer to the program under its text
+        stored = cache.get(kind, stored["program"])
+    return loading(stored, devices) if stored is not None else None
 
 
 def _inputs_of(args: tuple) -> list:
@@ -193,15 +333,3 @@ def _leaf_signature(x) -> tuple:
         weak,
         getattr(x, "sharding", None),
     )
-
-
-def _deserialize(stored: Any, devices: list[jax.Device]):
-    """The program of a cache entry, loaded onto `devices`; None if it does not load."""
-    try:
-        payload, in_tree, out_tree = stored
-        return serialize_executable.deserialize_and_load(
-            payload, in_tree, out_tree, backend=devices[0].client, execution_devices=devices
-        )
-    except Exception as err:  # an entry this jaxlib cannot load: compile instead
-        _LOG.debug("a kept program did not load (%s)", err)
-        return None

@@ -23,7 +23,6 @@ random is a function of (seed, step), so a resumed run replays the uninterrupted
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -51,7 +50,15 @@ from model.quantization.kernels import fake_quant_tree
 from model.training.config import TrainConfig
 from model.training.data import TokenSplits, sample_batch
 from model.training.gradients import accumulated, on_cpu_reduced_once, one_reduction_fits
-from model.training.kept_programs import KeptProgram, kept
+from model.training.kept_programs import (
+    STEP_KIND,
+    STEPS_KIND,
+    KeptProgram,
+    ReadAhead,
+    kept,
+    kept_value,
+    training_arguments,
+)
 from model.training.optim import make_optimizer
 from model.training.state import TrainState
 
@@ -103,7 +110,9 @@ class Trainer:
     With `abstract=True` nothing is allocated or initialised: `initial_state()` gives
     ShapeDtypeStructs carrying the shardings a real run would give them, so the step and the
     evaluation can be traced, lowered for another platform (scripts/check_lowering.py) or
-    compiled for XLA's memory analysis at any model size.
+    compiled for XLA's memory analysis at any model size. With `programs`, what it compiles
+    is kept there for the next run of the config (model/training/kept_programs.py); `ahead`
+    holds programs of it read before it was made (`read_ahead`).
     """
 
     def __init__(
@@ -113,6 +122,7 @@ class Trainer:
         *,
         abstract: bool = False,
         programs: ProgramCache | None = None,
+        ahead: ReadAhead | None = None,
     ):
         self.train_cfg, self.model_cfg, self.abstract = train_cfg, model_cfg, abstract
         t = train_cfg
@@ -146,38 +156,34 @@ class Trainer:
             TrainState(shapes, opt_shapes, jax.ShapeDtypeStruct((), jnp.int32), key_shape),
             self.state_shardings,
         )
-        # With `programs`, what a run compiles is kept there for the next run with this
-        # config (model/training/kept_programs.py): no tracing, lowering or compiling then.
-        run = {
-            "train": dataclasses.asdict(t),
-            "model": dataclasses.asdict(model_cfg),
-            "optax": optax.__version__,
-        }
+        # Kept programs: no tracing, lowering or compiling in the next run of this config.
+        run = training_arguments(t, model_cfg)
         mesh_devices = list(self.mesh.devices.flat)
 
-        def keep(jitted, name: str):
-            return kept(jitted, programs, f"train-{name}", run, mesh_devices)
+        def keep(jitted, kind: str):
+            return kept(jitted, programs, kind, run, mesh_devices, ahead)
 
         self._init_params = keep(
             jax.jit(
                 functools.partial(init_params, model_cfg, t.seed),
                 out_shardings=self.param_shardings,
             ),
-            "init-params",
+            "train-init-params",
         )
+        self._kept_params = kept_value(programs, "train-initial-params", run, mesh_devices)
         self._init_opt_state = keep(
-            jax.jit(self.tx.init, out_shardings=self.opt_shardings), "init-optimizer"
+            jax.jit(self.tx.init, out_shardings=self.opt_shardings), "train-init-optimizer"
         )
         self.batch_sharding = batch_sharding(self.mesh)
         self._loss = training_loss(self.graphdef, self.rest, t)
         step = self._step_function()
-        self.train_step = keep(self._compile_step(step), "step")
-        self.train_steps = keep(self._compile_steps(step), "steps")  # train.steps_per_call
+        self.train_step = keep(self._compile_step(step), STEP_KIND)
+        self.train_steps = keep(self._compile_steps(step), STEPS_KIND)  # train.steps_per_call
         self.steps_sharding = NamedSharding(self.mesh, P(None, *self.batch_sharding.spec))
         self.eval_step = jax.jit(self._eval_loss)
         # The running sum goes in and out replicated: one program for every chunk.
         self.eval_batches = keep(
-            jax.jit(self._eval_losses_summed, out_shardings=replicated), "evaluation"
+            jax.jit(self._eval_losses_summed, out_shardings=replicated), "train-evaluation"
         )
 
     # -- the states it makes ---------------------------------------------------------------
@@ -188,10 +194,21 @@ class Trainer:
         if self.abstract:
             return self._state_shapes
         if params is None:
-            params = self._init_params()
+            params = self._fresh_params()
         else:
             params = jax.device_put(params, self.param_shardings)
         return self._state(params, self._init_opt_state(params), 0)
+
+    def _fresh_params(self):
+        """train.seed's initial parameters: read back where an earlier run of this config
+        kept them (a few ms), else computed by the initialiser's program and kept."""
+        kept = self._kept_params
+        params = kept.get(self._state_shapes.params) if kept is not None else None
+        if params is None:
+            params = self._init_params()
+            if kept is not None:
+                kept.put(params)
+        return params
 
     def restored(self, checkpoints, step: int) -> TrainState:
         """The state saved at `step` in `checkpoints` (model.rundir.checkpoints.Checkpoints),
@@ -219,7 +236,10 @@ class Trainer:
         x = self._batch_struct(self._batch_shape(None, 0))
         x_eval = self._batch_struct((self._eval_chunk(), t.eval_rows, self.model_cfg.block_size))
         total = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
-        initialisers = [(self._init_params, ()), (self._init_opt_state, (shapes.params,))]
+        params_kept = self._kept_params is not None and self._kept_params.kept()
+        initialisers = [(self._init_opt_state, (shapes.params,))]
+        if not params_kept:  # kept parameters need no initialiser's program
+            initialisers.insert(0, (self._init_params, ()))
         for program, args in [
             *(initialisers if fresh else []),
             self._first_call(shapes, x),
