@@ -124,7 +124,8 @@ def encode_to_file(
 ) -> tuple[int, int]:
     """Write the ids of "".join(parts) to `out` as `dtype` (uint16/uint32); returns
     (tokens, characters). Threads on the C-core path, one thread otherwise; any tokenizer
-    (char, BPE on a user's pattern) works through its `encode`."""
+    (char, BPE on a user's pattern) works, through its `encode_array` where it has one (ids
+    as an array: no Python int per token), else its `encode`."""
     specials_re = getattr(tokenizer, "_specials_re", None)
     max_special_len = getattr(tokenizer, "_max_special_len", 0)
     # Arrays of ids where the tokenizer makes them (no Python int per token); threads where
