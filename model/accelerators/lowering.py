@@ -69,13 +69,13 @@ from model.network.config import ModelConfig
 from model.network.gpt import GPT
 from model.network.params import sampling_device
 from model.serving.batch import (
+    attended_like,
     batch_chunk,
     batch_layout,
     batch_settings,
     put_row,
     take_row,
 )
-from model.serving.programs import attended_like
 from model.training.trainer import Trainer, eval_chunk
 from plumbing.errors import UsageError
 

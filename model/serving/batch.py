@@ -145,6 +145,17 @@ def attended_cache(batch: dict, *, rows: int, length: int) -> list[dict]:
     return jax.tree_util.tree_map(lambda x: x[:rows, :, :length], batch["cache"])
 
 
+def attended_like(batch: dict, rows: int, length: int) -> list[dict]:
+    """`attended_cache(batch, rows=rows, length=length)` as shapes (arrays or shapes in
+    `batch`), on the batch's devices: what a chunk's programs are compiled for."""
+    shapes = jax.eval_shape(partial(attended_cache, rows=rows, length=length), batch)
+    return jax.tree.map(
+        lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x.sharding),
+        shapes,
+        batch["cache"],
+    )
+
+
 @partial(
     jax.jit,
     static_argnums=0,
@@ -164,10 +175,10 @@ def batch_chunk(
 ) -> tuple[tuple[dict, list[dict]], jax.Array]:
     """n_steps (traced, <= chunk_size; None: chunk_size) decode steps of every active row, on
     carry = (batch, attended); the host keeps each active row's pos + n_steps within
-    `attended`'s slots. Only the first
-    `rows` rows run (the host puts every active row there): a few requests cost a few rows'
-    compute, not the whole batch's. They attend over `attended`, the first cache slots of
-    those rows (`attended_cache`): short rows cost short attention.
+    `attended`'s slots. Only the first `rows` rows run (the host puts every active row
+    there): a few requests cost a few rows' compute, not the whole batch's. They attend over
+    `attended`, the first cache slots of those rows (`attended_cache`): short rows cost
+    short attention.
 
     Returns ((batch, attended), out), the chunk's keys and values written into both; for the
     rows run, out["token"] [rows, chunk_size] (PAD_ID for free slots, for rows past their

@@ -336,6 +336,7 @@ class Engine:
         settings, on_device = self._device_inputs(active)
         shape = (rows, length)
         if self._attended is None or self._attended[0] != shape:
+            self._attended = None  # dropped first: at most one copy beside the batch's cache
             self._attended = (shape, self.programs.attended[shape](self.batch))
         program = self.programs.chunks[shape]
         carry = (self.batch, self._attended[1])

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from model.decoding.steps import by_fixed_counts, fixed_step_counts, refill, start_carry
-from model.serving.batch import attended_cache, attention_lengths, batch_chunk
+from model.serving.batch import attended_cache, attended_like, attention_lengths, batch_chunk
 
 
 class EnginePrograms:
@@ -94,12 +94,3 @@ class EnginePrograms:
             full = next(programs)
             one = next(programs) if fixed else None
             self.chunks[shape] = by_fixed_counts(full, one, self.chunk_steps) if fixed else full
-
-
-def attended_like(batch: dict, rows: int, length: int) -> list[dict]:
-    """`attended_cache(batch, rows=rows, length=length)` as shapes, on the batch's device."""
-    return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((rows, x.shape[1], length, *x.shape[3:]), x.dtype,
-                                       sharding=x.sharding),
-        batch["cache"],
-    )  # fmt: skip

@@ -73,7 +73,7 @@ class KeptProgram:
         ahead: ReadAhead | None = None,
     ) -> None:
         self.jitted, self.cache, self.kind, self.ahead = jitted, cache, kind, ahead
-        self.arguments = {**arguments, "devices": [d.id for d in devices]}
+        self.arguments = _with_devices(arguments, devices)
         self.devices = list(devices)
         self._programs: dict[Any, Any] = {}
         self._unproven: set = set()  # loaded from disk, not yet run
@@ -207,7 +207,7 @@ class ReadAhead:
 
     def __init__(self, cache: ProgramCache, arguments: dict[str, Any], devices) -> None:
         self.cache, self.devices = cache, list(devices)
-        self.arguments = {**arguments, "devices": [d.id for d in self.devices]}
+        self.arguments = _with_devices(arguments, self.devices)
         self._reads: dict[str, tuple[Any, Future | None]] = {}
 
     def start(self, kind: str) -> None:
@@ -236,7 +236,7 @@ def read_ahead(
 ) -> ReadAhead | None:
     """A ReadAhead of `kinds` on this process's devices (the training mesh's), started; None
     without a cache or with several processes (as `kept`)."""
-    if cache is None or jax.process_count() > 1:
+    if not _keeps(cache):
         return None
     ahead = ReadAhead(cache, arguments, jax.devices())
     for kind in kinds:
@@ -257,7 +257,7 @@ class KeptValue:
 
     def __init__(self, cache: ProgramCache, kind: str, arguments: dict[str, Any], devices):
         self.cache, self.kind = cache, kind
-        self.entry = {**arguments, "devices": [d.id for d in devices]}
+        self.entry = _with_devices(arguments, devices)
 
     def kept(self) -> bool:
         """Whether a value is there to read (not yet whether it reads back intact)."""
@@ -275,9 +275,8 @@ class KeptValue:
             for a, x in zip(stored, leaves, strict=True)
         ):
             return None
-        return jax.tree_util.tree_unflatten(
-            treedef, [jax.device_put(a, x.sharding) for a, x in zip(stored, leaves, strict=True)]
-        )
+        shardings = jax.tree_util.tree_unflatten(treedef, [x.sharding for x in leaves])
+        return jax.device_put(jax.tree_util.tree_unflatten(treedef, stored), shardings)
 
     def put(self, value) -> None:
         """Keep `value` (arrays) for the next run, unless it is larger than MAX_BYTES."""
@@ -288,7 +287,7 @@ class KeptValue:
 
 def kept_value(cache: ProgramCache | None, kind: str, arguments: dict, devices):
     """A KeptValue, or None without a cache or with several processes (as `kept`)."""
-    if cache is None or jax.process_count() > 1:
+    if not _keeps(cache):
         return None
     return KeptValue(cache, kind, arguments, devices)
 
@@ -296,9 +295,20 @@ def kept_value(cache: ProgramCache | None, kind: str, arguments: dict, devices):
 def kept(jitted, cache: ProgramCache | None, kind: str, arguments: dict, devices, ahead=None):
     """`jitted` itself without a cache or with several processes, else a KeptProgram (which
     takes `ahead`'s read of its program, if any)."""
-    if cache is None or jax.process_count() > 1:
+    if not _keeps(cache):
         return jitted
     return KeptProgram(jitted, cache, kind, arguments, devices, ahead)
+
+
+def _keeps(cache: ProgramCache | None) -> bool:
+    """Whether programs and values are kept: with a cache, in one process (several processes
+    compile their own: the cache is for one)."""
+    return cache is not None and jax.process_count() == 1
+
+
+def _with_devices(arguments: dict[str, Any], devices) -> dict[str, Any]:
+    """The key of a kept program or value: its arguments and the devices it runs on."""
+    return {**arguments, "devices": [d.id for d in devices]}
 
 
 def _read_entry(cache: ProgramCache, kind: str, entry: dict[str, Any], devices) -> Loading | None:
