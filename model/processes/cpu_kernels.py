@@ -8,8 +8,8 @@ process. Measured on a 2-core AMD EPYC (Zen, AVX2), with XLA's own kernels inste
 - `--inference`'s decode rate the same within noise;
 - the losses unchanged to the printed digits.
 On a 2-core AMD EPYC of the Zen 3 generation (also AVX2), `--serve` was faster with XLA's own
-kernels (the 11M model at 16 clients 985 tokens/s against 921, one row 234 against 199), and
-training within noise either way (docs/serving.md).
+kernels (the 11M model at 16 clients 985 tokens/s against 921, one request at a time 234
+against 199), and training within noise either way (docs/serving.md).
 
 So on AVX2 the YNN fusions are turned off (`--xla_cpu_experimental_ynn_fusion_type=`, no
 type). On AVX-512 CPUs XLA's default stays: on 2 cores of an AVX-512 Xeon (Sapphire Rapids
