@@ -26,6 +26,7 @@ import jax
 from configs.schema import Config
 from model.decoding.program_cache import ProgramCache
 from model.network.config import ModelConfig
+from model.network.precision import bf16_operand_linears
 from model.processes.determinism import configure_determinism
 from model.processes.distributed import initialize_from_env, is_primary, wait_for_primary
 from model.rundir.checkpoints import Checkpoints
@@ -190,6 +191,7 @@ def _print_summary(trainer: Trainer, splits: TokenSplits, start_step: int) -> No
         f"train: {trainer.n_params / 1e6:.2f}M parameters, {len(splits.train):,} train / "
         f"{len(splits.val):,} val tokens, {jax.device_count()} x {device.device_kind} "
         f"({device.platform}), compute {trainer.model_cfg.dtype}"
+        + (" (Linear products: bf16 operands)" if bf16_operand_linears(trainer.model_cfg) else "")
         + (f", QAT int{qat}" if qat else "")
         + (", deterministic GPU kernels" if trainer.train_cfg.deterministic else "")
         + _calls_note(trainer.train_cfg)

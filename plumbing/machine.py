@@ -30,9 +30,14 @@ def cpu_model() -> str:
     return _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo: avx2, avx512f, amx_bf16, ...), else none."""
+    return frozenset((_cpuinfo_field("flags") or "").split())
+
+
 def vector_units() -> str:
     """The widest x86 vector extension the CPU reports (AVX-512, AVX2, ...), or ''."""
-    flags = set((_cpuinfo_field("flags") or "").split())
+    flags = cpu_flags()
     for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX")):
         if flag in flags:
             return name

@@ -8,12 +8,16 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs.schema import load_config, resolve_config_path
 from model.accelerators.lowering import training_programs
 from model.accelerators.plan import planned_config
+from model.accelerators.program_text import product_dtypes
+from model.network import precision
+from model.network.precision import bf16_operand_product
 from model.processes.determinism import DETERMINISM_FLAG, configure_determinism
 from model.training.trainer import Trainer
 from plumbing.errors import UsageError
@@ -27,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BF16_LOSS_DISTANCE = 0.02
 
 
-def train_losses(tmp_path, dtype: str, steps: int = 40) -> list[float]:
+def train_losses(tmp_path, dtype: str, steps: int = 40, *overrides: str) -> list[float]:
     from tokenizer.char import CharTokenizer
 
     corpus = write_word_corpus(tmp_path / "words.txt", 400).read_text()
@@ -36,7 +40,7 @@ def train_losses(tmp_path, dtype: str, steps: int = 40) -> list[float]:
     cfg = load_config(
         resolve_config_path("shakespeare_char"),
         [f"model.dtype={dtype}", "model.n_layer=1", "model.n_embd=64", "model.block_size=32",
-         "train.batch_size=8", "train.warmup_steps=5", f"train.max_steps={steps}"],
+         "train.batch_size=8", "train.warmup_steps=5", f"train.max_steps={steps}", *overrides],
     )  # fmt: skip
     return train_steps(
         Trainer(cfg.train, cfg.model.for_vocab(tok.vocab_size)), tokens, range(steps)
@@ -48,6 +52,70 @@ def test_bf16_training_stays_near_float32(tmp_path):
     assert f32[-1] < f32[0] - 1.0  # it learns
     assert abs(np.mean(bf16[-10:]) - np.mean(f32[-10:])) < BF16_LOSS_DISTANCE
     assert bf16 != f32  # and it really ran in bf16
+
+
+def test_bf16_operands_training_stays_near_float32(tmp_path):
+    f32 = train_losses(tmp_path, "float32")
+    bf16 = train_losses(tmp_path, "float32", 40, "model.linear_operands=bfloat16")
+    assert abs(np.mean(bf16[-10:]) - np.mean(f32[-10:])) < BF16_LOSS_DISTANCE
+    assert bf16 != f32  # the products really took bf16 operands
+
+
+def bf16(a):
+    """`a` rounded to bf16, back in float32: what a bf16 operand holds."""
+    return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_bf16_operand_product_and_its_gradients():
+    rng = np.random.default_rng(0)
+    x, w, g = (rng.standard_normal(s).astype(np.float32) for s in ((2, 5, 8), (8, 6), (2, 5, 6)))
+    y, pullback = jax.vjp(bf16_operand_product, jnp.asarray(x), jnp.asarray(w))
+    dx, dw = pullback(jnp.asarray(g))
+    assert y.dtype == dx.dtype == dw.dtype == jnp.float32
+    np.testing.assert_allclose(y, bf16(x) @ bf16(w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, bf16(g) @ bf16(w).T, rtol=1e-5, atol=1e-5)
+    # the kernel's gradient is float32's: the tokens' product of x and g as they are
+    np.testing.assert_allclose(dw, x.reshape(-1, 8).T @ g.reshape(-1, 6), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(y, x @ w, rtol=1e-4, atol=1e-4)  # and it rounded
+
+
+def test_bf16_operand_products_are_bf16_forward_and_backward():
+    """XLA:CPU takes only a product whose operands are bf16 with a float32 result to its bf16
+    kernels: the forward and the input's gradient are that, the kernel's gradient float32."""
+    grad = jax.grad(lambda x, w: bf16_operand_product(x, w).sum(), argnums=(0, 1))
+    jaxpr = jax.make_jaxpr(grad)(jnp.ones((4, 8)), jnp.ones((8, 6)))
+    bf16_product, f32_product = ("bfloat16", "bfloat16", "float32"), ("float32",) * 3
+    assert sorted(product_dtypes(jaxpr)) == [bf16_product, bf16_product, f32_product]
+
+
+@pytest.mark.parametrize(("flags", "expected"), [({"amx_bf16", "avx512f"}, "bfloat16"),
+                                                 ({"avx512f", "avx512_bf16"}, "float32"),
+                                                 (set(), "float32")])  # fmt: skip
+def test_auto_linear_operands_are_bf16_only_with_amx(monkeypatch, flags, expected):
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(flags))
+    assert precision.linear_operands_dtype("auto") == jnp.dtype(expected)
+    assert precision.linear_operands_dtype("float32") == jnp.float32
+
+
+def test_a_bf16_operand_linear_is_a_linear():
+    from flax import nnx
+
+    from model.network.config import ModelConfig
+    from model.network.layers import linear
+
+    def made(operands):
+        cfg = ModelConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16,
+                          linear_operands=operands)  # fmt: skip
+        return linear(cfg.validate(), 16, 32, 0.02, nnx.Rngs(0))
+
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 16)), jnp.float32)
+    plain, rounded = made("float32"), made("bfloat16")
+    np.testing.assert_allclose(rounded(x), plain(x), rtol=0.05, atol=0.01)  # the same weights
+    np.testing.assert_allclose(rounded(x), bf16(x) @ bf16(plain.kernel[...]), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    with pytest.raises(UsageError, match="linear_operands"):
+        ModelConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16,
+                    linear_operands="bf16").validate()  # fmt: skip
 
 
 def lowered_train_step(*overrides: str) -> str:

@@ -134,6 +134,16 @@ def mixed_products(jaxpr) -> list[str]:
     return found
 
 
+def product_dtypes(jaxpr) -> list[tuple[str, str, str]]:
+    """(left operand, right operand, result) dtype of each matrix product of the traced program,
+    sub-programs included."""
+    return [
+        (*(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype))
+        for eqn in _equations(jaxpr)
+        if eqn.primitive.name == "dot_general"
+    ]
+
+
 def _equations(jaxpr):
     """Every equation of a (closed) jaxpr and of the jaxprs in its equations' parameters."""
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:

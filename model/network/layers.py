@@ -22,6 +22,7 @@ from flax import nnx
 from model.network.activations import activation_fn
 from model.network.config import ModelConfig
 from model.network.moe import MoEMLP
+from model.network.precision import bf16_operand_dot_general, bf16_operand_linears
 
 
 def make_norm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -45,7 +46,9 @@ def make_norm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def linear(cfg: ModelConfig, n_in: int, n_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
-    """A Linear in the model's compute dtype with float32 params, N(0, std) kernel, zero bias."""
+    """A Linear in the model's compute dtype with float32 params, N(0, std) kernel, zero bias;
+    in a float32 model, its product's operands as model.linear_operands says."""
+    product = {"dot_general": bf16_operand_dot_general} if bf16_operand_linears(cfg) else {}
     return nnx.Linear(
         n_in,
         n_out,
@@ -55,6 +58,7 @@ def linear(cfg: ModelConfig, n_in: int, n_out: int, std: float, rngs: nnx.Rngs) 
         kernel_init=nnx.initializers.normal(std),
         bias_init=nnx.initializers.zeros,
         rngs=rngs,
+        **product,
     )
 
 

@@ -18,10 +18,21 @@ float32 compute: what a float32 product computes depends on the platform, and
 So float32 values are bit-for-bit the CPU's only with "highest"; the project's "same values"
 tests run on CPU, where all three are float32.
 
+bf16 operands in a float32 model (model.linear_operands = "bfloat16", or "auto" on a CPU with
+AMX): the blocks' Linear layers multiply bf16 operands with float32 accumulation, everything
+else stays float32, as autocast does. On CPU only such a product reaches XLA's bf16 kernels
+(YNNPACK's, on AMX 2-3x a float32 product's speed): one that JAX's own autodiff derives gets a
+float32 result it cannot take, or a transposed operand, and runs in float32. So
+`bf16_operand_product` has its own backward: the input's gradient is a bf16 product as well,
+and the kernel's gradient (a product over the tokens, whose transposed operand YNNPACK does
+not take) stays float32.
+
     >>> BF16_PRODUCT.name
     'BF16_BF16_F32'
     >>> mixed_product_precision(jnp.float32) is None
     True
+    >>> bf16_operand_product(jnp.ones((2, 3)), jnp.ones((3, 4))).dtype
+    dtype('float32')
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+
+from plumbing.machine import cpu_flags
 
 BF16_PRODUCT = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
 
@@ -46,3 +59,58 @@ def matmul_precision(name: str):
     if name == "default":
         return contextlib.nullcontext()
     return jax.default_matmul_precision(name)
+
+
+def linear_operands_dtype(name: str):
+    """The dtype of the Linear layers' operands that model.linear_operands names: "auto" is
+    bf16 where the CPU has AMX's bf16 unit and JAX computes on it (measured there: the fast
+    Shakespeare config's steps 14% faster, docs/recipe.md), float32 elsewhere."""
+    if name == "auto":
+        native = jax.default_backend() == "cpu" and "amx_bf16" in cpu_flags()
+        name = "bfloat16" if native else "float32"
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def bf16_operand_linears(cfg) -> bool:
+    """Whether the Linear layers of the model `cfg` (a ModelConfig) multiply bf16 operands in
+    a float32 model (bf16 models have bf16 operands everywhere anyway)."""
+    return cfg.compute_dtype == jnp.float32 and (
+        linear_operands_dtype(cfg.linear_operands) == jnp.bfloat16
+    )
+
+
+@jax.custom_vjp
+def bf16_operand_product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N] with bf16 operands and a float32 result (above)."""
+    return _bf16_dot(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def _bf16_dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
+    bf16 = jnp.bfloat16
+    return jax.lax.dot_general(
+        a.astype(bf16), b.astype(bf16), dims, preferred_element_type=jnp.float32
+    )
+
+
+def _product_forward(x, w):
+    return bf16_operand_product(x, w), (x, w)
+
+
+def _product_backward(saved, g):
+    x, w = saved
+    # dx = g @ w^T as a product that contracts w's last axis: no transpose for XLA to see.
+    dx = _bf16_dot(g, w, (((g.ndim - 1,), (1,)), ((), ())))
+    tokens_x, tokens_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    dw = jax.lax.dot_general(tokens_x, tokens_g, (((0,), (0,)), ((), ())))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+bf16_operand_product.defvjp(_product_forward, _product_backward)
+
+
+def bf16_operand_dot_general(lhs, rhs, dims, precision=None, preferred_element_type=None,
+                             out_sharding=None):  # fmt: skip
+    """`bf16_operand_product` in the form nnx.Linear calls its `dot_general` with."""
+    if dims != (((lhs.ndim - 1,), (0,)), ((), ())) or out_sharding is not None:
+        raise ValueError(f"bf16 operands take a Linear's own product, not {dims}")
+    return bf16_operand_product(lhs, rhs)
