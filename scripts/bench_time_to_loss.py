@@ -81,6 +81,7 @@ ABLATIONS = [
     ("tied output layer", ["model.tie_embeddings=true"]),
     ("cosine instead of WSD", ["train.lr_schedule=cosine"]),
     ("4 heads of 24 instead of 2 of 48", ["model.n_head=4"]),
+    ("float32 Linear operands (bf16 on AMX)", ["model.linear_operands=float32"]),
     # Options it leaves out, one at a time.
     ("+ U-net skips", ["model.unet_skips=true"]),
     ("+ multi-token prediction (1 more token)", ["model.mtp_tokens=1"]),
