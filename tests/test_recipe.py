@@ -154,7 +154,7 @@ def test_moe_and_qat_train_with_muon_and_every_option():
     cfg = dataclasses.replace(
         TINY, moe_experts=2, qk_norm=True, mlp="relu2", zero_init_proj=True,
         logit_softcap=15.0, x0_mixing=True, tie_embeddings=False,
-        value_embeddings=True, unet_skips=True, mtp_tokens=2,
+        value_embeddings=True, unet_skips=True, mtp_tokens=2, linear_operands="bfloat16",
     )  # fmt: skip
     for qat in (0, 4):
         state, losses = train_steps(

@@ -46,6 +46,7 @@ RECIPE = [
     "model.value_embeddings=true",
     "model.unet_skips=true",
     "model.mtp_tokens=2",
+    "model.linear_operands=bfloat16",  # the fast config's, on AMX: bf16 Linear operands
     "model.n_layer=2",  # after TINY_TRAIN's one block: a U-net skip, a block without a table
 ]
 
