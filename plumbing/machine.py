@@ -1,7 +1,8 @@
-"""What machine a benchmark ran on: the CPU's model, its cores, its vector units, its load.
+"""What machine this is: the CPU's model, its cores, its vector units and features, its load.
 
 Benchmarks print this beside their tables: a ratio measured on one CPU generation need not
-hold on another (PyTorch gains more than XLA from AVX-512, for one).
+hold on another (PyTorch gains more than XLA from AVX-512, for one). The choices made per CPU
+(XLA's kernels on AVX2, bf16 operands on AMX) read its features here.
 
     >>> isinstance(cpu_model(), str)
     True
@@ -9,6 +10,7 @@ hold on another (PyTorch gains more than XLA from AVX-512, for one).
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from pathlib import Path
@@ -30,6 +32,7 @@ def cpu_model() -> str:
     return _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
 
 
+@functools.cache  # read once: every Linear of a model asks (model/network/precision.py)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux /proc/cpuinfo: avx2, avx512f, amx_bf16, ...), else none."""
     return frozenset((_cpuinfo_field("flags") or "").split())

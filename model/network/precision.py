@@ -21,8 +21,9 @@ tests run on CPU, where all three are float32.
 bf16 operands in a float32 model (model.linear_operands = "bfloat16", or "auto" on a CPU with
 AMX): the blocks' Linear layers multiply bf16 operands with float32 accumulation, everything
 else stays float32, as autocast does. On CPU only such a product reaches XLA's bf16 kernels
-(YNNPACK's, on AMX 2-3x a float32 product's speed): one that JAX's own autodiff derives gets a
-float32 result it cannot take, or a transposed operand, and runs in float32. So
+(YNNPACK's, on AMX 2-3x a float32 product's speed): float32 operands with `BF16_PRODUCT`
+run at float32's speed there, and a product that JAX's own autodiff derives gets a float32
+result it cannot take, or a transposed operand, and runs in float32. So
 `bf16_operand_product` has its own backward: the input's gradient is a bf16 product as well,
 and the kernel's gradient (a product over the tokens, whose transposed operand YNNPACK does
 not take) stays float32.
