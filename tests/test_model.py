@@ -248,6 +248,49 @@ def test_gelu_matches_jax_exact_gelu_in_value_and_gradient():
     np.testing.assert_allclose(grad, grad_ref, rtol=0, atol=2e-6)
 
 
+def test_add_broadcast_has_the_sums_gradient_over_shared_and_per_row_positions():
+    # add_broadcast is x + y with y's gradient summed as a product (XLA:CPU ran the fused sum
+    # ten times slower): values and gradients must be autodiff's, whether y is shared by the
+    # batch ([1, T, D], training) or one per row ([B, T, D], the serving batch's positions).
+    from model.network.gpt import add_broadcast
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 5, 4)), jnp.float32)
+    for y_shape in ((1, 5, 4), (3, 5, 4)):
+        y = jnp.asarray(rng.standard_normal(y_shape), jnp.float32)
+        ours = jax.grad(lambda x, y: jnp.sum(jnp.sin(add_broadcast(x, y)) * x), (0, 1))(x, y)
+        plain = jax.grad(lambda x, y: jnp.sum(jnp.sin(x + y) * x), (0, 1))(x, y)
+        assert ours[1].shape == y_shape
+        for a, b in zip(ours, plain, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_learned_positions_gradients_equal_a_plain_sums(monkeypatch):
+    # The whole model with the recipe's x0-mixing and value embeddings (the case the product
+    # form was for): every parameter's gradient as with `x + y`.
+    import model.network.gpt as gpt
+
+    model = tiny_model(kernel_scale=1.0, x0_mixing=True, value_embeddings=True)
+    graphdef, state = nnx.split(model)
+    tokens = random_tokens(4, 16)
+
+    def grads():
+        def loss(state):
+            return jnp.mean(nnx.merge(graphdef, state)(tokens) ** 2)
+
+        return jax.jit(jax.grad(loss))(state)
+
+    ours = grads()
+    monkeypatch.setattr(gpt, "add_broadcast", lambda x, y: x + y)
+    plain = grads()
+    flat_ours, flat_plain = jax.tree.leaves(ours), jax.tree.leaves(plain)
+    assert len(flat_ours) == len(flat_plain) > 10
+    for a, b in zip(flat_ours, flat_plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    wpe = ours["wpe"]["embedding"][...]
+    assert float(jnp.abs(wpe).max()) > 0  # the positions did get a gradient
+
+
 # -- the model options GPT-2 needs (no transformers needed) ----------------------------------
 
 
