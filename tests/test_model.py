@@ -265,7 +265,7 @@ def test_add_broadcast_has_the_sums_gradient_over_shared_and_per_row_positions()
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_learned_positions_gradients_equal_a_plain_sums(monkeypatch):
+def test_learned_positions_gradients_equal_those_of_a_plain_sum(monkeypatch):
     # The whole model with the recipe's x0-mixing and value embeddings (the case the product
     # form was for): every parameter's gradient as with `x + y`.
     import model.network.gpt as gpt

@@ -38,11 +38,13 @@ KVCache = list[LayerCache]  # one {"k", "v"} dict per layer, each [B, H, S, Dh]
 def add_broadcast(x, y):
     """x + y, with y broadcast over x's axes where it has size 1 (learned positions [1, T, D]
     over a batch [B, T, D]). The same values and gradients as `x + y`; only the program of
-    y's gradient differs: the sum of x's gradient over the broadcast axes is taken as a product
-    with ones. XLA:CPU fuses a sum with the elementwise work that produces its operand (with
-    x0-mixing, every block's share of x's gradient) and recomputes that work in a slow loop: it
-    took 2.4 ms of the fast config's ~45 ms step, ten times the same work without the sum. A
-    product's operand is computed once (and it is x's gradient, needed anyway)."""
+    y's gradient differs on a CPU: there the sum of x's gradient over the broadcast axes is
+    taken as a product with ones. XLA:CPU fuses a sum with the elementwise work that produces
+    its operand (with x0-mixing, every block's share of x's gradient) and recomputed that work
+    in a loop ten times slower than the same work without the sum: 2.4 ms a step of the fast
+    config on a 2-core Zen 3, whose steps ran about 5% faster without it (docs/recipe.md). A
+    product's operand is computed once (it is x's gradient, needed anyway). Elsewhere (chosen
+    when the program is lowered) the sum stays a sum, exact in float32 at any matmul precision."""
     return x + y
 
 
@@ -52,10 +54,15 @@ def _add_broadcast_fwd(x, y):
 
 def _add_broadcast_bwd(y, g):
     axes = [i for i, (n, m) in enumerate(zip(g.shape, y.shape, strict=True)) if m < n]
-    ones = jnp.ones([g.shape[a] for a in axes], g.dtype)
-    total = jnp.tensordot(
-        ones, g, axes=(list(range(len(axes))), axes), precision=jax.lax.Precision.HIGHEST
-    )
+
+    def as_product(g):  # XLA:CPU's float32 products are float32 at every precision
+        ones = jnp.ones([g.shape[a] for a in axes], g.dtype)
+        return jnp.tensordot(ones, g, axes=(list(range(len(axes))), axes))
+
+    def as_sum(g):
+        return jnp.sum(g, axis=axes)
+
+    total = jax.lax.platform_dependent(g, cpu=as_product, default=as_sum)
     return g, total.reshape(y.shape).astype(y.dtype)
 
 
