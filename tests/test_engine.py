@@ -315,9 +315,9 @@ def test_chunks_of_one_shape_read_the_attended_slots_the_chunk_before_left(engin
     kept = dict(engine.programs.attended), dict(engine.programs.chunks)
 
     def counted(program, name):
-        def call(*args):
+        def call(*args, **kwargs):
             counts[name] += 1
-            return program(*args)
+            return program(*args, **kwargs)
 
         return call
 
@@ -340,3 +340,21 @@ def test_the_full_batch_attends_over_eighths_of_the_context_and_fewer_rows_over_
     assert attention_lengths(256, fine=False) == [64, 128, 256]
     assert attention_lengths(1024, fine=True)[:2] == [128, 256]
     assert attention_lengths(64, fine=True) == [32, 64] and attention_lengths(20, True) == [20]
+
+
+def test_the_engine_decodes_with_the_tied_head_laid_out_d_by_v_and_the_same_logits(engine, model):
+    # XLA:CPU multiplies a few rows by the embedding as it lies, [V, D], several times slower
+    # than by a [D, V] copy; the engine keeps one and every program of it multiplies by it.
+    head = engine.head_DxV
+    embedding = np.asarray(model.wte.embedding[...])
+    assert head is not None and head.shape == embedding.T.shape
+    np.testing.assert_array_equal(np.asarray(head), embedding.T)
+    untied = tiny_model(seed=3, block_size=BLOCK, tie_embeddings=False)
+    assert untied.decoding_head() is None  # its lm_head is [D, V] already
+
+    tokens = jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
+    own, _ = model.decode(tokens, model.init_cache(2), 0)
+    laid_out, _ = model.decode(tokens, model.init_cache(2), 0, head_DxV=head)
+    doubled, _ = model.decode(tokens, model.init_cache(2), 0, head_DxV=2 * head)
+    np.testing.assert_allclose(laid_out, own, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(doubled, 2 * np.asarray(own), rtol=1e-5, atol=1e-5)  # it is used

@@ -74,7 +74,9 @@ def _host_carry(model: GPT, prompt: np.ndarray, batch: int, use_cache: bool) -> 
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("width", "scored"), donate_argnums=2)
-def refill(graphdef, state, carry: dict, shift, start, keep, *, width=None, scored=False):
+def refill(
+    graphdef, state, carry: dict, shift, start, keep, *, width=None, scored=False, head_DxV=None
+):
     """The one prefill: roll ctx left by `shift`, then run ctx[start:start + width] at
     positions start.. into the cache (width: the refill window, block_size // 2, unless a
     caller picks a narrower piece for a short prompt). Tokens past `keep` in the piece are
@@ -82,13 +84,16 @@ def refill(graphdef, state, carry: dict, shift, start, keep, *, width=None, scor
     query can see them. The caller keeps start + width <= block_size.
 
     With `scored`, returns (carry, scores): `token_scores` of each piece position j for the
-    token that follows it (ctx[start + j + 1], or the pending token at keep - 1), [B, width]."""
+    token that follows it (ctx[start + j + 1], or the pending token at keep - 1), [B, width].
+    `head_DxV`: the output layer as `GPT.decoding_head` gives it (None: the model's own)."""
     model = nnx.merge(graphdef, state)
     width = width or window_size(model.cfg.block_size)
     ctx_BxS = jnp.roll(carry["ctx"], -shift, axis=1)
     piece_BxW = jax.lax.dynamic_slice_in_dim(ctx_BxS, start, width, axis=1)
     # Unscored, only the cache is used, so XLA drops the logits of the last position too.
-    logits_BxWxV, cache = model.decode(piece_BxW, carry["cache"], start, last_only=not scored)
+    logits_BxWxV, cache = model.decode(
+        piece_BxW, carry["cache"], start, last_only=not scored, head_DxV=head_DxV
+    )
     carry = {**carry, "cache": cache, "ctx": ctx_BxS, "pos": keep}
     if not scored:
         return carry
@@ -152,23 +157,23 @@ def fixed_step_counts() -> bool:
 
 
 def by_fixed_counts(full: Callable, one: Callable, chunk_size: int) -> Callable:
-    """A chunk callable `(*args, n_steps) -> (carry, out)` made of two programs compiled for
+    """A chunk callable `(*args, n_steps, **kw) -> (carry, out)` made of two programs compiled for
     fixed counts (their n_steps argument None): `full` runs chunk_size steps, `one` a single
     step. n_steps = chunk_size calls `full`; fewer call `one` n_steps times (a first token, a
     context's last few slots). Then `out` is the list of the steps' outputs, which
     `chunk_outputs` joins on the host: a join on the device compiled a program per count and
     row count at its first use (tenths of a second each on a GPU, paid while serving)."""
 
-    def run(state, carry, *args):
+    def run(state, carry, *args, **kwargs):
         *args, n_steps = args
         n_steps = int(n_steps)
         if n_steps == chunk_size:
-            return full(state, carry, *args, None)
+            return full(state, carry, *args, None, **kwargs)
         if n_steps < 1:
             raise ValueError(f"a chunk runs 1 to {chunk_size} steps, not {n_steps}")
         outs = []
         for _ in range(n_steps):
-            carry, out = one(state, carry, *args, None)
+            carry, out = one(state, carry, *args, None, **kwargs)
             outs.append(out)
         return carry, outs
 

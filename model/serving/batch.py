@@ -172,6 +172,7 @@ def batch_chunk(
     *,
     chunk_size: int,
     rows: int,
+    head_DxV=None,
 ) -> tuple[tuple[dict, list[dict]], jax.Array]:
     """n_steps (traced, <= chunk_size; None: chunk_size) decode steps of every active row, on
     carry = (batch, attended); the host keeps each active row's pos + n_steps within
@@ -183,7 +184,8 @@ def batch_chunk(
     Returns ((batch, attended), out), the chunk's keys and values written into both; for the
     rows run, out["token"] [rows, chunk_size] (PAD_ID for free slots, for rows past their
     stop token and past n_steps) and each token's `token_scores` ("logprob" [rows,
-    chunk_size], "top_ids"/"top_logprobs" [rows, chunk_size, 5])."""
+    chunk_size], "top_ids"/"top_logprobs" [rows, chunk_size, 5]). `head_DxV`: the output
+    layer as `GPT.decoding_head` gives it (None: the model's own)."""
     model = nnx.merge(graphdef, state)
     batch, attended = carry
     head = {name: x[:rows] for name, x in batch.items() if name != "cache"}
@@ -204,7 +206,7 @@ def batch_chunk(
             {**kv, "recent_k": recent["k"], "recent_v": recent["v"], "at": c["at"]}
             for kv, recent in zip(attended, c["recent"], strict=True)
         ]
-        logits_Bx1xV, layers = model.decode(c["pending"][:, None], layers, pos_B)
+        logits_Bx1xV, layers = model.decode(c["pending"][:, None], layers, pos_B, head_DxV=head_DxV)
         logits_BxV = logits_Bx1xV[:, 0]
         at_BxS = (jnp.arange(c["ctx"].shape[1]) == pos_B[:, None]) & active_B[:, None]
         ctx = jnp.where(at_BxS, c["pending"][:, None], c["ctx"])  # a select, not a scatter

@@ -93,6 +93,7 @@ class Engine:
         self.window = window_size(self.size)
         self.stop_token = stop_token_of(tokenizer)
         self.graphdef, self.state = nnx.split(model)
+        self.head_DxV = model.decoding_head()  # the tied output layer, laid out for a CPU
         # The shapes of chunk and prefill it runs, compiled in `start`.
         self.programs = EnginePrograms(
             size=self.size, window=self.window, rows=rows, chunk_steps=chunk_steps
@@ -128,7 +129,9 @@ class Engine:
         """Compile the programs (side by side), run a request through every one (a program's
         first run pays one-time set-up costs), then serve."""
         settings, active = self._device_inputs(np.zeros(self.rows, bool))
-        self.programs.compile(self.model, self.graphdef, self.state, self.batch, settings, active)
+        self.programs.compile(
+            self.model, self.graphdef, self.state, self.batch, settings, active, self.head_DxV
+        )
         for scored in (False, True):
             for width in self.programs.prefill_widths:
                 self._admit(0, Request([0] * (width + 1), 2, _ignore, logprobs=0, echo=scored))
@@ -278,7 +281,9 @@ class Engine:
         row["cache"] = take_row(self.batch, np.int32(source if start else slot))["cache"]
 
         def run(carry, shift, at, keep, width):
-            out = self.programs.refills[width, scored](self.state, carry, shift, at, keep)
+            out = self.programs.refills[width, scored](
+                self.state, carry, shift, at, keep, head_DxV=self.head_DxV
+            )
             return out if scored else (out, None)
 
         row, scores = prefill_pieces(
@@ -314,7 +319,8 @@ class Engine:
         shift = max(int(self.pos[slot]) - keep, 0)
 
         def run(carry, shift, at, keep, width):
-            return self.programs.refills[width, False](self.state, carry, shift, at, keep), None
+            program = self.programs.refills[width, False]
+            return program(self.state, carry, shift, at, keep, head_DxV=self.head_DxV), None
 
         row = prefill_pieces(run, row, shift=shift, keep=keep, widths=(self.window,))[0]
         self._put_row(row, slot)
@@ -341,7 +347,7 @@ class Engine:
         program = self.programs.chunks[shape]
         carry = (self.batch, self._attended[1])
         (self.batch, attended), out = program(
-            self.state, carry, settings, on_device, np.int32(steps)
+            self.state, carry, settings, on_device, np.int32(steps), head_DxV=self.head_DxV
         )
         self._attended = (shape, attended)
         self.pos[active] += steps

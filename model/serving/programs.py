@@ -61,15 +61,17 @@ class EnginePrograms:
         rows = next(n for n in self.row_counts if n >= rows)
         return rows, next(n for n in self.lengths[rows] if n >= length)
 
-    def compile(self, model, graphdef, state, batch, settings, active) -> None:
+    def compile(self, model, graphdef, state, batch, settings, active, head_DxV=None) -> None:
         """Compile every program for `model` (split as `graphdef`, `state`) on its `batch`,
-        with the device's `settings` and busy mask `active`, and keep the executables."""
+        with the device's `settings` and busy mask `active`, and keep the executables. They
+        take `head_DxV` (`GPT.decoding_head`; None: the model's own output layer) as a
+        keyword, as it was given here."""
         row = start_carry(model, np.zeros(2, np.int32), 1, use_cache=True)
         scalar = np.int32(0)
         refills = [(width, scored) for scored in (False, True) for width in self.prefill_widths]
         jobs = [
             partial(refill.lower, graphdef, state, row, scalar, scalar, scalar,
-                    width=width, scored=scored)
+                    width=width, scored=scored, head_DxV=head_DxV)
             for width, scored in refills
         ]  # fmt: skip
         # (program size, n_steps argument): fixed counts take None (model.decoding.steps).
@@ -78,7 +80,8 @@ class EnginePrograms:
         chunks = [(shape, count) for shape in self.shapes() for count in counts]
         jobs += [
             partial(batch_chunk.lower, graphdef, state, (batch, attended_like(batch, *shape)),
-                    settings, active, n_steps, chunk_size=size, rows=shape[0])
+                    settings, active, n_steps, chunk_size=size, rows=shape[0],
+                    head_DxV=head_DxV)
             for shape, (size, n_steps) in chunks
         ]  # fmt: skip
         jobs += [
