@@ -344,11 +344,17 @@ def test_the_full_batch_attends_over_eighths_of_the_context_and_fewer_rows_over_
 
 def test_the_engine_decodes_with_the_tied_head_laid_out_d_by_v_and_the_same_logits(engine, model):
     # XLA:CPU multiplies a few rows by the embedding as it lies, [V, D], several times slower
-    # than by a [D, V] copy; the engine keeps one and every program of it multiplies by it.
+    # than by a [D, V] copy; the engine keeps one, and its programs of several rows and its
+    # scored prefills multiply by it. One row's programs are --inference's product.
     head = engine.head_DxV
     embedding = np.asarray(model.wte.embedding[...])
     assert head is not None and head.shape == embedding.T.shape
     np.testing.assert_array_equal(np.asarray(head), embedding.T)
+    bound = {shape: p.keywords["head_DxV"] for shape, p in engine.programs.chunks.items()}
+    assert all((h is head) == (rows > 1) for (rows, _), h in bound.items()), bound
+    assert {rows for rows, _ in bound} == {1, 4}
+    for (_, scored), program in engine.programs.refills.items():
+        assert (program.keywords["head_DxV"] is head) == scored
     untied = tiny_model(seed=3, block_size=BLOCK, tie_embeddings=False)
     assert untied.decoding_head() is None  # its lm_head is [D, V] already
 

@@ -281,9 +281,7 @@ class Engine:
         row["cache"] = take_row(self.batch, np.int32(source if start else slot))["cache"]
 
         def run(carry, shift, at, keep, width):
-            out = self.programs.refills[width, scored](
-                self.state, carry, shift, at, keep, head_DxV=self.head_DxV
-            )
+            out = self.programs.refills[width, scored](self.state, carry, shift, at, keep)
             return out if scored else (out, None)
 
         row, scores = prefill_pieces(
@@ -319,8 +317,7 @@ class Engine:
         shift = max(int(self.pos[slot]) - keep, 0)
 
         def run(carry, shift, at, keep, width):
-            program = self.programs.refills[width, False]
-            return program(self.state, carry, shift, at, keep, head_DxV=self.head_DxV), None
+            return self.programs.refills[width, False](self.state, carry, shift, at, keep), None
 
         row = prefill_pieces(run, row, shift=shift, keep=keep, widths=(self.window,))[0]
         self._put_row(row, slot)
@@ -347,7 +344,7 @@ class Engine:
         program = self.programs.chunks[shape]
         carry = (self.batch, self._attended[1])
         (self.batch, attended), out = program(
-            self.state, carry, settings, on_device, np.int32(steps), head_DxV=self.head_DxV
+            self.state, carry, settings, on_device, np.int32(steps)
         )
         self._attended = (shape, attended)
         self.pos[active] += steps

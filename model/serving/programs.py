@@ -48,7 +48,7 @@ class EnginePrograms:
         self.lengths = {n: attention_lengths(size, fine=n == rows) for n in self.row_counts}
         self.chunks: dict[tuple[int, int], Callable] = {}
         self.attended: dict[tuple[int, int], jax.stages.Compiled] = {}
-        self.refills: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self.refills: dict[tuple[int, bool], Callable] = {}
         self.fixed_counts = False  # whether `compile` made fixed-count chunks (two a shape)
 
     def shapes(self) -> list[tuple[int, int]]:
@@ -63,15 +63,19 @@ class EnginePrograms:
 
     def compile(self, model, graphdef, state, batch, settings, active, head_DxV=None) -> None:
         """Compile every program for `model` (split as `graphdef`, `state`) on its `batch`,
-        with the device's `settings` and busy mask `active`, and keep the executables. They
-        take `head_DxV` (`GPT.decoding_head`; None: the model's own output layer) as a
-        keyword, as it was given here."""
+        with the device's `settings` and busy mask `active`, and keep the executables.
+
+        With `head_DxV` (`GPT.decoding_head`), the chunks of several rows and the scored
+        prefills (a logit per prompt token) multiply by it, bound into the kept callables.
+        One row's programs keep the model's own output layer: as fast there, and the same
+        product as `--inference`'s, so one request's text is its text to the last bit."""
+        heads = {True: head_DxV, False: None}  # whether a program multiplies several rows
         row = start_carry(model, np.zeros(2, np.int32), 1, use_cache=True)
         scalar = np.int32(0)
         refills = [(width, scored) for scored in (False, True) for width in self.prefill_widths]
         jobs = [
             partial(refill.lower, graphdef, state, row, scalar, scalar, scalar,
-                    width=width, scored=scored, head_DxV=head_DxV)
+                    width=width, scored=scored, head_DxV=heads[scored])
             for width, scored in refills
         ]  # fmt: skip
         # (program size, n_steps argument): fixed counts take None (model.decoding.steps).
@@ -81,7 +85,7 @@ class EnginePrograms:
         jobs += [
             partial(batch_chunk.lower, graphdef, state, (batch, attended_like(batch, *shape)),
                     settings, active, n_steps, chunk_size=size, rows=shape[0],
-                    head_DxV=head_DxV)
+                    head_DxV=heads[shape[0] > 1])
             for shape, (size, n_steps) in chunks
         ]  # fmt: skip
         jobs += [
@@ -90,10 +94,14 @@ class EnginePrograms:
         ]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             compiled = list(pool.map(lambda lower: lower().compile(), jobs))
-        self.refills = dict(zip(refills, compiled[: len(refills)], strict=True))
+        self.refills = {
+            (width, scored): partial(program, head_DxV=heads[scored])
+            for (width, scored), program in zip(refills, compiled[: len(refills)], strict=True)
+        }
         self.attended = dict(zip(self.shapes(), compiled[-len(self.shapes()) :], strict=True))
         programs = iter(compiled[len(refills) : -len(self.shapes())])
         for shape in self.shapes():
             full = next(programs)
             one = next(programs) if fixed else None
-            self.chunks[shape] = by_fixed_counts(full, one, self.chunk_steps) if fixed else full
+            chunk = by_fixed_counts(full, one, self.chunk_steps) if fixed else full
+            self.chunks[shape] = partial(chunk, head_DxV=heads[shape[0] > 1])
