@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model.decoding.generate import generate_all
+from model.decoding.programs import compile_programs
 from model.decoding.sampling_params import SEED_MAX, SamplingParams
 from model.network.attention import traced_for
 from model.serving.engine import DEFAULT_STREAM_INTERVAL_S, Engine
@@ -344,17 +345,14 @@ def test_the_full_batch_attends_over_eighths_of_the_context_and_fewer_rows_over_
 
 def test_the_engine_decodes_with_the_tied_head_laid_out_d_by_v_and_the_same_logits(engine, model):
     # XLA:CPU multiplies a few rows by the embedding as it lies, [V, D], several times slower
-    # than by a [D, V] copy; the engine keeps one, and its programs of several rows and its
-    # scored prefills multiply by it. One row's programs are --inference's product.
+    # than by a [D, V] copy; the engine keeps one and hands it to every program, whose products
+    # of several rows multiply by it. One row's product stays --inference's.
     head = engine.head_DxV
     embedding = np.asarray(model.wte.embedding[...])
     assert head is not None and head.shape == embedding.T.shape
     np.testing.assert_array_equal(np.asarray(head), embedding.T)
-    bound = {shape: p.keywords["head_DxV"] for shape, p in engine.programs.chunks.items()}
-    assert all((h is head) == (rows > 1) for (rows, _), h in bound.items()), bound
-    assert {rows for rows, _ in bound} == {1, 4}
-    for (_, scored), program in engine.programs.refills.items():
-        assert (program.keywords["head_DxV"] is head) == scored
+    programs = [*engine.programs.chunks.values(), *engine.programs.refills.values()]
+    assert all(program.keywords["head_DxV"] is head for program in programs)
     untied = tiny_model(seed=3, block_size=BLOCK, tie_embeddings=False)
     assert untied.decoding_head() is None  # its lm_head is [D, V] already
 
@@ -364,3 +362,9 @@ def test_the_engine_decodes_with_the_tied_head_laid_out_d_by_v_and_the_same_logi
     doubled, _ = model.decode(tokens, model.init_cache(2), 0, head_DxV=2 * head)
     np.testing.assert_allclose(laid_out, own, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(doubled, 2 * np.asarray(own), rtol=1e-5, atol=1e-5)  # it is used
+    # --inference hands its programs the copy where several samples decode together.
+    assert compile_programs(model, num_samples=2).chunk.keywords["head_DxV"].shape == head.shape
+    assert compile_programs(model, num_samples=1).chunk.keywords == {}
+    # One row keeps the embedding's own product, --inference's: the same bits, copy or not.
+    one_row, _ = model.decode(tokens[:1, :1], model.init_cache(1), 0, head_DxV=2 * head)
+    np.testing.assert_array_equal(one_row, model.decode(tokens[:1, :1], model.init_cache(1), 0)[0])

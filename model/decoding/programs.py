@@ -71,13 +71,14 @@ class DecodePrograms:
 def jit_programs(model: GPT, *, use_cache: bool, chunk_size: int) -> DecodePrograms:
     """The jitted programs, compiled at their first call (each new shape compiles again)."""
     graphdef = nnx.split(model)[0]
-    chunk = partial(chunk_program(use_cache), graphdef, chunk_size=chunk_size)
+    keywords = _keywords(model, num_samples=None)
+    chunk = partial(chunk_program(use_cache), graphdef, chunk_size=chunk_size, **keywords)
     if fixed_step_counts():
-        one = partial(chunk_program(use_cache), graphdef, chunk_size=1)
+        one = partial(chunk_program(use_cache), graphdef, chunk_size=1, **keywords)
         chunk = by_fixed_counts(chunk, one, chunk_size)
     return DecodePrograms(
         chunk=chunk,
-        refill=partial(refill, graphdef) if use_cache else None,
+        refill=partial(refill, graphdef, **keywords) if use_cache else None,
         num_samples=None,
         use_cache=use_cache,
         chunk_size=chunk_size,
@@ -102,6 +103,7 @@ def compile_programs(
     check_memory(model.cfg, num_samples, use_cache)
     graphdef, state = nnx.split(model)
     fixed = fixed_step_counts()
+    keywords = _keywords(model, num_samples)
     arguments = {
         "model": dataclasses.asdict(model.cfg),
         "state": [
@@ -112,14 +114,15 @@ def compile_programs(
         "use_cache": use_cache,
         "chunk_size": chunk_size,
         "fixed_step_counts": fixed,
+        **({"output_copy": True} if keywords else {}),  # one sample's entries as they were
     }
     stored = cache.get("decode", arguments) if cache is not None else None
     compiled = _deserialize(stored) if stored is not None else None
     example_args = _example_args(model, num_samples, use_cache, fixed)
-    if compiled is not None and not _runs(compiled, example_args):
+    if compiled is not None and not _runs(compiled, example_args, keywords):
         compiled = None  # loaded, but cannot run here: compile, and replace the entry
     if compiled is None:
-        compiled, from_jax_cache = _compile(graphdef, example_args, use_cache, chunk_size)
+        compiled, from_jax_cache = _compile(graphdef, example_args, keywords, use_cache, chunk_size)
         # An executable that JAX read from its own disk cache cannot be serialized again (on
         # XLA:CPU it loads but fails to run): keep only what was compiled here.
         payloads = _serialized(compiled) if cache is not None and not from_jax_cache else None
@@ -129,12 +132,20 @@ def compile_programs(
     if fixed:
         chunk = by_fixed_counts(chunk, compiled["step"], chunk_size)
     return DecodePrograms(
-        chunk=chunk,
-        refill=compiled.get("refill"),
+        chunk=partial(chunk, **keywords),
+        refill=partial(compiled["refill"], **keywords) if use_cache else None,
         num_samples=num_samples,
         use_cache=use_cache,
         chunk_size=chunk_size,
     )
+
+
+def _keywords(model: GPT, num_samples: int | None) -> dict:
+    """What every program takes by keyword: the output layer's [D, V] copy where several
+    samples decode together (`GPT.decoding_head`; None samples: any count, jit's per shape).
+    One sample's programs keep the model's own product, so they stay as they were."""
+    head = model.decoding_head() if num_samples != 1 else None
+    return {} if head is None else {"head_DxV": head}
 
 
 def _example_args(model: GPT, num_samples: int, use_cache: bool, fixed: bool) -> dict[str, tuple]:
@@ -157,19 +168,21 @@ def _example_args(model: GPT, num_samples: int, use_cache: bool, fixed: bool) ->
     return args
 
 
-def _runs(compiled: dict, example_args: dict[str, tuple]) -> bool:
+def _runs(compiled: dict, example_args: dict[str, tuple], keywords: dict) -> bool:
     """Whether kept executables run: each called once on its example arguments (a chunk of
     zero steps, or of its fixed count on a throwaway carry; their first call, which the first
     token would otherwise pay)."""
     try:
         for name, args in example_args.items():
-            jax.block_until_ready(compiled[name](*args))
+            jax.block_until_ready(compiled[name](*args, **keywords))
     except Exception:  # e.g. JaxRuntimeError "Function ... not found"; a mismatched signature
         return False
     return True
 
 
-def _compile(graphdef, example_args: dict[str, tuple], use_cache: bool, chunk_size: int):
+def _compile(
+    graphdef, example_args: dict[str, tuple], keywords: dict, use_cache: bool, chunk_size: int
+):
     """({name: jax.stages.Compiled}, whether any came from JAX's persistent cache)."""
     trace = {
         "chunk": partial(chunk_program(use_cache).trace, chunk_size=chunk_size),
@@ -178,7 +191,7 @@ def _compile(graphdef, example_args: dict[str, tuple], use_cache: bool, chunk_si
     }
 
     def compile_one(name: str):
-        return trace[name](graphdef, *example_args[name]).lower().compile()
+        return trace[name](graphdef, *example_args[name], **keywords).lower().compile()
 
     with jax_disk_cache_reads() as hits, ThreadPoolExecutor(len(example_args)) as pool:
         futures = {name: pool.submit(compile_one, name) for name in example_args}

@@ -190,13 +190,16 @@ def chunk_outputs(out) -> Any:
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",), donate_argnums=2)
-def cached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, chunk_size: int):
+def cached_chunk(
+    graphdef, state, carry: dict, settings: dict, n_steps, *, chunk_size: int, head_DxV=None
+):
     """n_steps (or, None, chunk_size) decode steps against the cache; the host keeps
-    pos + n_steps <= block_size."""
+    pos + n_steps <= block_size. `head_DxV`: as `refill` takes it."""
     model = nnx.merge(graphdef, state)
 
     def step(c):
-        logits_Bx1xV, cache = model.decode(c["pending"][:, None], c["cache"], c["pos"])
+        pending_Bx1 = c["pending"][:, None]
+        logits_Bx1xV, cache = model.decode(pending_Bx1, c["cache"], c["pos"], head_DxV=head_DxV)
         ctx = jax.lax.dynamic_update_slice(c["ctx"], c["pending"][:, None], (0, c["pos"]))
         c = {**c, "cache": cache, "ctx": ctx, "pos": c["pos"] + 1}
         return _sample_step(logits_Bx1xV[:, 0], c, settings)
@@ -205,8 +208,11 @@ def cached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, chunk
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",), donate_argnums=2)
-def uncached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, chunk_size: int):
-    """Reference steps: slide when full, append the pending token, full forward over ctx."""
+def uncached_chunk(
+    graphdef, state, carry: dict, settings: dict, n_steps, *, chunk_size: int, head_DxV=None
+):
+    """Reference steps: slide when full, append the pending token, full forward over ctx.
+    `head_DxV`: as `refill` takes it."""
     model = nnx.merge(graphdef, state)
     size = model.cfg.block_size
     keep = window_size(size) - 1
@@ -218,7 +224,7 @@ def uncached_chunk(graphdef, state, carry: dict, settings: dict, n_steps, *, chu
         ctx = jax.lax.dynamic_update_slice(ctx, c["pending"][:, None], (0, pos))
         x_BxSxD = model.hidden_states(ctx)  # causal: positions after pos change nothing here
         x_Bx1xD = jax.lax.dynamic_slice_in_dim(x_BxSxD, pos, 1, axis=1)
-        logits_BxV = model.unembed(x_Bx1xD)[:, 0]
+        logits_BxV = model.unembed(x_Bx1xD, head_DxV)[:, 0]
         return _sample_step(logits_BxV, {**c, "ctx": ctx, "pos": pos + 1}, settings)
 
     return run_steps(step, carry, n_steps, chunk_size)

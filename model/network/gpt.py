@@ -185,13 +185,14 @@ class GPT(nnx.Module):
     def unembed(self, x_BxTxD: jax.Array, head_DxV: jax.Array | None = None) -> jax.Array:
         """Output layer (the tied embedding, or lm_head): logits [B, T, V] float32 from final
         hidden states. `head_DxV`: the tied embedding as a [D, V] copy (`decoding_head`),
-        used in its place.
+        used in its place for a product of several rows (B * T > 1); one row keeps the
+        embedding as it lies (as fast, and the same bits as without a copy).
 
         Not `wte.attend`: that would promote both operands to one dtype, while we want
         compute-dtype operands (bf16 matmul speed) with float32 accumulation and logits.
         With model.logit_softcap c > 0, logits are c * tanh(logits / c): within (-c, c).
         """
-        if head_DxV is not None:
+        if head_DxV is not None and x_BxTxD.shape[0] * x_BxTxD.shape[1] > 1:
             weight, spec = head_DxV, "btd,dv->btv"
         elif self.lm_head is not None:
             weight, spec = self.lm_head.kernel[...], "btd,dv->btv"  # [D, V]

@@ -65,17 +65,16 @@ class EnginePrograms:
         """Compile every program for `model` (split as `graphdef`, `state`) on its `batch`,
         with the device's `settings` and busy mask `active`, and keep the executables.
 
-        With `head_DxV` (`GPT.decoding_head`), the chunks of several rows and the scored
-        prefills (a logit per prompt token) multiply by it, bound into the kept callables.
-        One row's programs keep the model's own output layer: as fast there, and the same
-        product as `--inference`'s, so one request's text is its text to the last bit."""
-        heads = {True: head_DxV, False: None}  # whether a program multiplies several rows
+        With `head_DxV` (`GPT.decoding_head`), bound into the kept callables, the products of
+        several rows by the output layer multiply by it (`GPT.unembed`): the chunks of 4 or
+        more rows and the scored prefills (a logit per prompt token). One row keeps the
+        model's own product, `--inference`'s, so one request's text is its text to the bit."""
         row = start_carry(model, np.zeros(2, np.int32), 1, use_cache=True)
         scalar = np.int32(0)
         refills = [(width, scored) for scored in (False, True) for width in self.prefill_widths]
         jobs = [
             partial(refill.lower, graphdef, state, row, scalar, scalar, scalar,
-                    width=width, scored=scored, head_DxV=heads[scored])
+                    width=width, scored=scored, head_DxV=head_DxV)
             for width, scored in refills
         ]  # fmt: skip
         # (program size, n_steps argument): fixed counts take None (model.decoding.steps).
@@ -85,7 +84,7 @@ class EnginePrograms:
         jobs += [
             partial(batch_chunk.lower, graphdef, state, (batch, attended_like(batch, *shape)),
                     settings, active, n_steps, chunk_size=size, rows=shape[0],
-                    head_DxV=heads[shape[0] > 1])
+                    head_DxV=head_DxV)
             for shape, (size, n_steps) in chunks
         ]  # fmt: skip
         jobs += [
@@ -95,8 +94,8 @@ class EnginePrograms:
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             compiled = list(pool.map(lambda lower: lower().compile(), jobs))
         self.refills = {
-            (width, scored): partial(program, head_DxV=heads[scored])
-            for (width, scored), program in zip(refills, compiled[: len(refills)], strict=True)
+            key: partial(program, head_DxV=head_DxV)
+            for key, program in zip(refills, compiled[: len(refills)], strict=True)
         }
         self.attended = dict(zip(self.shapes(), compiled[-len(self.shapes()) :], strict=True))
         programs = iter(compiled[len(refills) : -len(self.shapes())])
@@ -104,4 +103,4 @@ class EnginePrograms:
             full = next(programs)
             one = next(programs) if fixed else None
             chunk = by_fixed_counts(full, one, self.chunk_steps) if fixed else full
-            self.chunks[shape] = partial(chunk, head_DxV=heads[shape[0] > 1])
+            self.chunks[shape] = partial(chunk, head_DxV=head_DxV)
