@@ -334,6 +334,22 @@ def test_chunks_of_one_shape_read_the_attended_slots_the_chunk_before_left(engin
     assert counts["copies"] == 2, counts  # 32 slots from the admission, then 64 (BLOCK)
 
 
+def test_the_batch_sends_its_settings_to_the_device_only_after_they_change(model):
+    from model.serving.batch_state import BatchState
+
+    state = BatchState(model, rows=4)
+    busy = np.array([True, False, False, False])
+    first = state.device_inputs(busy)
+    assert all(a is b for a, b in zip(first, state.device_inputs(busy.copy()), strict=True))
+    state.set_row_settings(1, SamplingParams(seed=7, temperature=0.5), stop_token=3)
+    changed = state.device_inputs(busy)
+    assert changed[0] is not first[0]
+    assert np.asarray(changed[0]["seed"]).tolist() == [0, 7, 0, 0]
+    assert np.asarray(changed[0]["stop"]).tolist() == [-1, 3, -1, -1]
+    moved = state.device_inputs(np.array([True, True, False, False]))
+    assert np.asarray(moved[1]).tolist() == [True, True, False, False]
+
+
 def test_the_full_batch_attends_over_eighths_of_the_context_and_fewer_rows_over_quarters():
     from model.serving.batch import attention_lengths
 

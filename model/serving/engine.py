@@ -48,8 +48,7 @@ from model.decoding.generate import prefill_pieces
 from model.decoding.prompts import stop_token_of
 from model.decoding.steps import PAD_ID, chunk_outputs, start_carry, window_size
 from model.network.gpt import GPT
-from model.network.params import sampling_device
-from model.serving.batch import batch_settings, empty_batch, put_row, set_row_settings, take_row
+from model.serving.batch_state import BatchState
 from model.serving.outbox import Outbox
 from model.serving.prefix import KeptPrefix, reuse_source
 from model.serving.programs import EnginePrograms
@@ -99,21 +98,13 @@ class Engine:
             size=self.size, window=self.window, rows=rows, chunk_steps=chunk_steps
         )
         # -- the engine thread's own (see the threading contract) --
-        self.batch = empty_batch(model, rows)
-        self.settings = batch_settings(rows)
-        # The settings and the busy mask as the device holds them: sent again only after they
-        # change (an admission, a request leaving), not with every chunk.
-        self._on_device: tuple[bytes, dict, jax.Array] | None = None
+        self.batch = BatchState(model, rows)  # the rows on the device, and their settings
         self.pos = np.zeros(rows, np.int32)  # host copy of each row's position
         self.slots: list[Request | None] = [None] * rows
         self.texts: list[StopText | None] = [None] * rows
         self.outboxes: list[Outbox | None] = [None] * rows
         self.kept: list[KeptPrefix | None] = [None] * rows
         self._in_flight: Launched | None = None  # the chunk launched last, not yet delivered
-        # The cache slots the last chunk attended over, written by it, and its (rows, length):
-        # the next chunk of that shape reads them as they are (model/serving/batch.py). None
-        # once a row is put into the batch.
-        self._attended: tuple[tuple[int, int], list] | None = None
         # -- shared, under _lock --
         self._lock = threading.Condition()
         self.waiting: collections.deque[Request] = collections.deque()
@@ -128,9 +119,10 @@ class Engine:
     def start(self) -> None:
         """Compile the programs (side by side), run a request through every one (a program's
         first run pays one-time set-up costs), then serve."""
-        settings, active = self._device_inputs(np.zeros(self.rows, bool))
+        settings, active = self.batch.device_inputs(np.zeros(self.rows, bool))
+        carry = self.batch.carry
         self.programs.compile(
-            self.model, self.graphdef, self.state, self.batch, settings, active, self.head_DxV
+            self.model, self.graphdef, self.state, carry, settings, active, self.head_DxV
         )
         for scored in (False, True):
             for width in self.programs.prefill_widths:
@@ -278,7 +270,7 @@ class Engine:
         kept = self.kept[source]
         start = max(shared - 1, 0)  # run the last shared token again: its logits are needed
         row = start_carry(self.model, prompt, 1, use_cache=False)
-        row["cache"] = take_row(self.batch, np.int32(source if start else slot))["cache"]
+        row["cache"] = self.batch.take_row(source if start else slot)["cache"]
 
         def run(carry, shift, at, keep, width):
             out = self.programs.refills[width, scored](self.state, carry, shift, at, keep)
@@ -290,10 +282,10 @@ class Engine:
         if scored:  # the reused positions' scores come from the kept prefix
             scores = {k: np.concatenate([kept.scores[k][:start], v[0]]) if start else v[0]
                       for k, v in scores.items()}  # fmt: skip
-        self._put_row(row, slot)
+        self.batch.put_row(row, slot)
         self.pos[slot] = keep
         self.kept[slot] = KeptPrefix(prompt[:keep], scores)
-        set_row_settings(self.settings, slot, request.sampling, self.stop_token)
+        self.batch.set_row_settings(slot, request.sampling, self.stop_token)
         self.slots[slot] = request
         self.texts[slot] = StopText(request.stop)
         self.outboxes[slot] = Outbox(self.stream_interval_s)
@@ -313,14 +305,14 @@ class Engine:
         if self.pos[slot] != self.size and not force:
             return
         keep = self.window - 1
-        row = take_row(self.batch, np.int32(slot))
+        row = self.batch.take_row(slot)
         shift = max(int(self.pos[slot]) - keep, 0)
 
         def run(carry, shift, at, keep, width):
             return self.programs.refills[width, False](self.state, carry, shift, at, keep), None
 
         row = prefill_pieces(run, row, shift=shift, keep=keep, widths=(self.window,))[0]
-        self._put_row(row, slot)
+        self.batch.put_row(row, slot)
         self.pos[slot] = keep
         self.kept[slot] = None  # the cache now holds other tokens at those positions
 
@@ -336,32 +328,9 @@ class Engine:
                 rows=int(busy.max()) + 1 if busy.size else 1,
                 length=int(self.pos[busy].max()) + steps if busy.size else 1,
             )
-        settings, on_device = self._device_inputs(active)
-        shape = (rows, length)
-        if self._attended is None or self._attended[0] != shape:
-            self._attended = None  # dropped first: at most one copy beside the batch's cache
-            self._attended = (shape, self.programs.attended[shape](self.batch))
-        program = self.programs.chunks[shape]
-        carry = (self.batch, self._attended[1])
-        (self.batch, attended), out = program(
-            self.state, carry, settings, on_device, np.int32(steps)
-        )
-        self._attended = (shape, attended)
+        out = self.batch.run_chunk(self.programs, self.state, active, steps, (rows, length))
         self.pos[active] += steps
         return out
-
-    def _put_row(self, row: dict, slot: int) -> None:
-        """Row `slot` of the batch becomes `row`; the kept attended slots no longer match."""
-        self._attended = None
-        self.batch = put_row(self.batch, row, np.int32(slot))
-
-    def _device_inputs(self, active: np.ndarray) -> tuple[dict, jax.Array]:
-        key = active.tobytes() + b"".join(v.tobytes() for v in self.settings.values())
-        if self._on_device is None or self._on_device[0] != key:
-            device = sampling_device()
-            moved = jax.device_put((self.settings, active), device)
-            self._on_device = (key, *moved)
-        return self._on_device[1], self._on_device[2]
 
     def _deliver(self, slot: int, out: dict[str, np.ndarray]) -> None:
         request, text = self.slots[slot], self.texts[slot]
