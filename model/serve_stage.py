@@ -41,7 +41,7 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
 
     from model.serving.app import build_app
     from model.serving.engine import Engine
-    from model.serving.guard import guarded_h11
+    from model.serving.guard import MAX_HEAD_BYTES, guarded_h11
 
     tokenizer, model = load_for_sampling(run_dir, cfg.init_from, cfg.model)
     start_up_done()  # the collector leaves start-up's objects alone from here
@@ -70,8 +70,9 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
         timeout_graceful_shutdown=GRACE_S,
         http=guarded_h11(serve.max_connections, serve.header_timeout_s),
         timeout_keep_alive=5,
-        limit_concurrency=serve.max_connections,
-        h11_max_incomplete_event_size=16 * 1024,  # a request head larger than this: 400
+        # No limit_concurrency: the guard caps connections (each runs one request at a time),
+        # and uvicorn's cap would answer requests on open connections with a plain-text 503.
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,  # a head trickling in past it: 400
     )
     url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     if not serve.api_key and not is_loopback(serve.host):

@@ -95,6 +95,35 @@ def test_echo_logprobs_equal_the_models_own_for_text_and_token_prompts(server, t
     assert scored["token_logprobs"][-1] == pytest.approx(max(scored["top_logprobs"][-1].values()))
 
 
+def test_text_offsets_point_at_each_tokens_text_past_a_lone_utf8_byte(server, trained):
+    # A lone continuation byte decodes to one U+FFFD: the offsets after it count it.
+    tokenizer, _ = trained
+    lone = next(i for i in range(256) if tokenizer.decode_bytes([i]) == b"\xa9")
+    ids = [lone, *tokenizer.encode("to be")]
+    body = {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    assert choice["text"] == "\ufffdto be"
+    offsets, tokens = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+    assert offsets[:2] == [0, 1]
+    for at, token in zip(offsets[1:], tokens[1:], strict=True):
+        assert choice["text"][at : at + len(token)] == token
+
+
+def test_a_stream_with_include_usage_ends_with_the_usage(server):
+    body = {"prompt": "to", "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as reply:
+        events = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] <= 3
+    assert (
+        last["usage"]["total_tokens"]
+        == last["usage"]["prompt_tokens"] + last["usage"]["completion_tokens"]
+    )
+    assert all("usage" not in json.loads(e) for e in events[:-2])
+
+
 def test_chat_logprobs(server):
     body = {"messages": [{"role": "user", "content": "to"}], "max_tokens": 3,
             "logprobs": True, "top_logprobs": 2, "temperature": 0}  # fmt: skip
@@ -154,6 +183,14 @@ BAD = {
     "frequency_penalty": {"prompt": "hi", "frequency_penalty": 0.5},
     "presence_penalty": {"prompt": "hi", "presence_penalty": -1},
     "best_of 2": {"prompt": "hi", "best_of": 2},
+    "temperature past a float": {"prompt": "hi", "temperature": 10**400},
+    "top_p past a float": {"messages": [{"role": "user", "content": "hi"}], "top_p": -(10**400)},
+    "temperature past float32": {"prompt": "hi", "temperature": 1e39},
+    "top_p under float32": {"prompt": "hi", "top_p": 1e-300},
+    "a stop string of 5,000 characters": {"prompt": "hi", "stop": ["a" * 5000]},
+    "response_format json": {"prompt": "hi", "response_format": {"type": "json_object"}},
+    "stream_options without stream": {"prompt": "hi", "stream_options": {"include_usage": True}},
+    "tokenize a lone surrogate": {"prompt": "\ud800"},
     "nested 100,000 deep": b"[" * 100_000 + b"]" * 100_000,
     "chat role a list": {"messages": [{"role": ["user"], "content": "hi"}]},
     "top_logprobs without logprobs": {
@@ -175,7 +212,9 @@ def test_bad_input_is_a_4xx_json_error_and_the_server_goes_on(server, case):
     assert 400 <= response.status_code < 500, response.text
     message = response.json()["error"]["message"]
     assert message and "Traceback" not in message
-    for name in ("logit_bias", "frequency_penalty", "presence_penalty", "top_k", "seed"):
+    names = ("logit_bias", "frequency_penalty", "presence_penalty", "top_k", "seed", "top_p",
+             "temperature", "stop", "response_format", "stream_options")  # fmt: skip
+    for name in names:
         if name in case:
             assert name in message  # the refusal names the field
     ok = post(server, "/v1/completions", {"prompt": "to", "max_tokens": 2, **NEUTRAL})
@@ -191,6 +230,20 @@ def test_only_json_bodies_and_only_this_servers_host(server):
     port = server.url.rsplit(":", 1)[1]
     local = post(server, "/v1/completions", {"prompt": "to"}, {"host": f"localhost:{port}"})
     assert local.status_code == 200
+    big = post(server, "/v1/completions", {"prompt": "to"}, {"x-filler": "a" * 20_000})
+    assert big.status_code == 431 and "headers" in big.json()["error"]["message"]
+    counted = httpx.get(server.url + "/metrics").text  # the guard's refusals are counted too
+    for status in (415, 421, 431):
+        assert f'route="/v1/completions",status="{status}"' in counted
+
+
+def test_a_server_bound_to_localhost_answers_to_its_addresses():
+    from model.serving.guard import bound_hosts
+
+    names = bound_hosts("localhost", 8000, [])
+    assert {"127.0.0.1:8000", "localhost:8000", "[::1]:8000"} <= names
+    assert "localhost:8000" in bound_hosts("127.0.0.1", 8000, [])
+    assert "evil.example:8000" not in names
 
 
 def connect(server) -> socket.socket:
@@ -227,6 +280,17 @@ def test_connections_past_the_cap_are_closed_and_the_server_recovers(server):
         sock.close()
     time.sleep(0.5)
     assert post(server, "/v1/completions", {"prompt": "to", "max_tokens": 2}).status_code == 200
+
+
+def test_a_request_just_under_the_connection_cap_gets_its_answer(server):
+    idle = [connect(server) for _ in range(11)]  # one under serve.max_connections=12
+    time.sleep(0.2)
+    try:  # uvicorn's own concurrency limit answered it with a plain-text 503
+        reply = post(server, "/v1/completions", {"prompt": "to", "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+    finally:
+        for sock in idle:
+            sock.close()
 
 
 def head(length: int) -> bytes:

@@ -17,6 +17,7 @@ from plumbing.errors import UsageError
 
 SEED_MAX = 2**31 - 1  # seeds reach the compiled programs as int32: one range everywhere
 TOP_K_MAX = 2**31 - 1  # top_k reaches them as int32 too (larger means "off" anyway)
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # temperature and top_p reach them as float32
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class SamplingParams:
 
     def checked(self, prefix: str = "") -> SamplingParams:
         t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
-        if not _is_number(t) or not math.isfinite(t):
+        if not _is_float32(t):
             raise UsageError(f"{prefix}temperature must be a finite number, got {t!r}")
         if t < 0:
             raise UsageError(f"{prefix}temperature must be >= 0 (0 = greedy), got {t!r}")
@@ -40,7 +41,7 @@ class SamplingParams:
             raise UsageError(
                 f"{prefix}top_k must be an integer in 0..{TOP_K_MAX} (0 = off), got {k!r}"
             )
-        if not _is_number(p) or not 0.0 < p <= 1.0:
+        if not _is_float32(p) or not 0.0 < np.float32(p) <= 1.0:  # 1e-300 would be 0
             raise UsageError(f"{prefix}top_p must be in (0, 1] (1 = off), got {p!r}")
         if not _is_int(seed) or not 0 <= seed <= SEED_MAX:
             raise UsageError(f"{prefix}seed must be in 0..{SEED_MAX} (2**31-1), got {seed!r}")
@@ -64,6 +65,14 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
+def _is_float32(value) -> bool:
+    """A number that float32 holds (finite once converted)."""
+    try:
+        return _is_number(value) and math.isfinite(value) and abs(value) <= FLOAT32_MAX
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:

@@ -37,7 +37,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from model.decoding.prompts import END_OF_TEXT, encode_prompt, stop_token_of
+from model.decoding.prompts import END_OF_TEXT, check_text, encode_prompt, stop_token_of
 from model.serving.bodies import BodyReader, Gone
 from model.serving.config import ServeConfig
 from model.serving.engine import Engine
@@ -121,9 +121,10 @@ class Server:
         if not isinstance(text, str):
             raise ApiError(400, "'prompt' is required and must be a string")
         try:
+            check_text(text)  # a lone surrogate: refused as /v1/completions refuses it
             tokens = await run_in_threadpool(self.tokenizer.encode, text)
-        except (UnicodeError, UsageError):
-            raise ApiError(400, "'prompt' is not valid Unicode text") from None
+        except (UnicodeError, UsageError) as err:
+            raise ApiError(400, f"'prompt' is not valid Unicode text: {err}"[:300]) from None
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.block})
 
     async def detokenize(self, request: HttpRequest) -> JSONResponse:
@@ -133,7 +134,8 @@ class Server:
         if not isinstance(tokens, list):
             raise ApiError(400, "'tokens' is required and must be a list of token ids")
         self.check_ids(tokens, "tokens")
-        return JSONResponse({"prompt": self.tokenizer.decode(tokens)})
+        text = await run_in_threadpool(self.tokenizer.decode, tokens)  # off the event loop
+        return JSONResponse({"prompt": text})
 
     async def completions(self, request: HttpRequest):
         self.authorize(request)
@@ -288,6 +290,9 @@ class Server:
                 yield _sse(envelope(ident, self.model_name, chat, True, [part]))
                 if kind == "done":
                     self.record(job)
+                    if completion.include_usage:  # OpenAI's last chunk: no choices, the usage
+                        last = envelope(ident, self.model_name, chat, True, [])
+                        yield _sse({**last, "usage": usage([data])})
                     yield "data: [DONE]\n\n"
                     return
         finally:
@@ -355,11 +360,11 @@ def build_app(
             Exception: _server_error,
         },
     )
-    counted = _Counted(app, server.metrics)
     allowed = bound_hosts(cfg.host, port, cfg.allowed_hosts)
-    guarded = HostCheck(counted, allowed, cfg.allowed_hosts, keyed=bool(cfg.api_key))
-    guarded.server = server  # for the stage's shutdown (server.bodies.close)
-    return guarded
+    guarded = HostCheck(app, allowed, cfg.allowed_hosts, keyed=bool(cfg.api_key))
+    counted = _Counted(guarded, server.metrics)  # outermost: the guard's refusals count too
+    counted.server = server  # for the stage's shutdown (server.bodies.close)
+    return counted
 
 
 class _Counted:

@@ -55,7 +55,9 @@ class BodyReader:
                     deadline.reschedule(self._loop.time())
                 async for part in request.stream():
                     if self.buffered + len(part) > self.cfg.max_buffered_bytes:
-                        raise ApiError(503, "the server is reading too many bodies: retry later")
+                        raise ApiError(
+                            503, "the server is reading too many bodies: retry later", "server_busy"
+                        )
                     data += part
                     self.buffered += len(part)
                     if len(data) > limit:

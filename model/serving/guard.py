@@ -15,6 +15,7 @@ it) are the body reader's (model/serving/bodies.py).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 
@@ -22,17 +23,20 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from model.serving.openai_api import ApiError
 
+MAX_HEAD_BYTES = 16 * 1024  # a request head: uvicorn refuses a larger one only as it trickles in
+
 
 def bound_hosts(host: str, port: int, extra: list[str]) -> set[str] | None:
     """Host header values that name this server, or None (any) for a wildcard address."""
     if host in ("0.0.0.0", "::", ""):
         return None
     names = {host, f"{host}:{port}", f"[{host}]", f"[{host}]:{port}"}
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            names |= {"localhost", f"localhost:{port}"}
-    except ValueError:
-        pass
+    loopback = host == "localhost"  # bound by name: answer to the addresses it names too
+    with contextlib.suppress(ValueError):  # not an IP address
+        loopback = loopback or ipaddress.ip_address(host).is_loopback
+    if loopback:
+        for name in ("localhost", "127.0.0.1", "[::1]"):
+            names |= {name, f"{name}:{port}"}
     for name in extra:
         names |= {name, f"{name}:{port}"}
     return names
@@ -56,6 +60,8 @@ class HostCheck:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > MAX_HEAD_BYTES:
+            return await _refuse(send, 431, f"the request headers are over {MAX_HEAD_BYTES} bytes")
         headers = dict(scope["headers"])
         host = headers.get(b"host", b"").decode("latin-1").lower()
         if not self.keyed and not self._host_ok(host):

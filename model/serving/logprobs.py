@@ -10,11 +10,14 @@ A token is a byte string; one that is not whole UTF-8 text on its own (part of a
 is named as OpenAI names it, `bytes:\\xe2\\x80`, so that every token has a distinct name.
 
     >>> _offsets([b"a", b"\\xe2\\x82", b"\\xac", b"b"], start=0)
-    [0, 1, 2, 2]
+    [0, 1, 1, 2]
+    >>> _offsets([b"\\xa9", b"A"], start=0)  # a lone continuation byte: one U+FFFD
+    [0, 1]
 """
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,10 +83,13 @@ def chat_logprobs(tokenizer, scored: Scored, n: int) -> dict:
 
 
 def _offsets(pieces: list[bytes], start: int) -> list[int]:
-    """Each token's character offset in the text the pieces decode to (a character counts
-    where its first byte is: UTF-8 continuation bytes, 0b10xxxxxx, start none)."""
+    """Each token's character offset in the text the pieces decode to: the characters
+    decoded before it by the incremental UTF-8 decoder that writes the text (bad bytes
+    replaced by U+FFFD, model/serving/text.py). A token that ends a character begun before
+    it stands at that character, as vLLM counts."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     offsets, at = [], start
     for data in pieces:
         offsets.append(at)
-        at += sum(1 for b in data if b & 0xC0 != 0x80)
+        at += len(decoder.decode(data))
     return offsets

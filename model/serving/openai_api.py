@@ -7,7 +7,8 @@ where it is parsed (so no request reaches the engine with a value it cannot hold
 wrong. Fields OpenAI defines that change nothing here (`user`, an empty `logit_bias`,
 `presence_penalty` 0, ...) are accepted and ignored; a value that would change OpenAI's answer
 and is not supported here (`n` > 1, `best_of` > 1, `suffix`, tools, a non-empty `logit_bias`,
-non-zero penalties) is refused with a 400 that names the field.
+non-zero penalties, a `response_format` other than text) is refused with a 400 that names the
+field. A stream with `stream_options.include_usage` ends with OpenAI's usage chunk.
 
 Completions take `prompt` as a string, a list of token ids, or a list of either (one choice
 per prompt, as lm-evaluation-harness sends them), `echo`, and `logprobs` (0-5 alternatives:
@@ -25,7 +26,6 @@ the model starts the next "User:" or "System:" line.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 import uuid
@@ -49,8 +49,10 @@ _NEUTRAL = {
     "presence_penalty": ("0", lambda v: _is_number(v) and v == 0),
     "n": ("1: this server returns one choice per prompt", lambda v: _is_int(v) and v == 1),
     "best_of": ("1", lambda v: _is_int(v) and v == 1),
+    "response_format": ('{"type": "text"}', lambda v: v == {"type": "text"}),
 }
 MAX_STOPS = 4
+MAX_STOP_CHARS = 4096  # a stop string's matcher is built on the engine thread: ~2 ms per 1,000
 
 
 class ApiError(Exception):
@@ -73,6 +75,7 @@ class Completion:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     chat: bool = False
     echo: bool = False
     logprobs: int | None = None  # alternatives per token, 0..5; None: no log-probabilities
@@ -182,12 +185,17 @@ def _settings(
         sampling.checked()
     except UsageError as err:
         raise ApiError(400, f"'{str(err).split()[0]}' {str(err).split(' ', 1)[1]}"[:300]) from None
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and stream):
+        raise ApiError(400, "'stream_options' must be an object, and only with 'stream': true")
     return Completion(
         prompts=prompts,
         max_tokens=max_tokens,
         sampling=sampling,
         stop=_stop(body.get("stop")),
-        stream=_flag(body, "stream"),
+        stream=stream,
+        include_usage=_flag(options or {}, "include_usage"),
         chat=chat,
     )
 
@@ -224,21 +232,23 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if not _is_number(value) or not math.isfinite(value):
+    if not _is_number(value):
         raise ApiError(400, f"'{name}' must be a number, got {value!r}"[:200])
-    return float(value)
+    return value  # its range: SamplingParams.checked (an int too large for a float included)
 
 
 def _stop(value: Any) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
+        value = [value]
     if (
         isinstance(value, list)
         and len(value) <= MAX_STOPS
         and all(isinstance(s, str) for s in value)
     ):
+        if any(len(s) > MAX_STOP_CHARS for s in value):
+            raise ApiError(400, f"'stop' strings must be at most {MAX_STOP_CHARS} characters")
         return [s for s in value if s]
     raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOPS} strings")
 
