@@ -35,7 +35,13 @@ import os
 import sys
 from pathlib import Path
 
-from configs.command_line import command_line_settings, settings_conflict, split_list_overrides
+from configs.command_line import (
+    command_line_settings,
+    run_dir_of,
+    saved_run_config,
+    settings_conflict,
+    split_list_overrides,
+)
 from configs.schema import (
     DEFAULT_CONFIG,
     Config,
@@ -139,13 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def argument_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the command line beyond what argparse checks, or None."""
-    problem = split_list_overrides(args)
+def argument_problem(args: argparse.Namespace, argv: list[str] | None = None) -> str | None:
+    """What is wrong with the command line (`argv`, as parsed into `args`) beyond what
+    argparse checks, or None."""
+    problem = split_list_overrides(args, argv)
     if problem:
         return problem
     if not (args.tokenize or args.train or args.inference or args.serve or args.plan):
         return "choose at least one stage: --tokenize, --train, --inference, --serve (or --plan)"
+    if args.config is not None and not args.config.strip():
+        return "--config needs a config's name or a path, got an empty one"
     if (args.device or args.devices or args.json) and not args.plan:
         return "--device, --devices and --json go with --plan"
     for item in args.overrides:
@@ -158,8 +167,9 @@ def argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    problem = argument_problem(args)
+    problem = argument_problem(args, argv)
     if problem:
         sys.stderr.write(f"tinyllm: error: {printable(problem)} (see --help)\n")
         return 2
@@ -262,27 +272,6 @@ def command_line_config(args: argparse.Namespace) -> Config:
     path = resolve_config_path(args.config)
     saved = saved_run_config(args, path)
     return load_config(path, pairs, on_replace=say_replaced, saved=saved)
-
-
-def saved_run_config(args: argparse.Namespace, default: Path) -> dict | None:
-    """--resume without --config: the config the run was trained with (RUN/config.json), not
-    the default file's, said in one line; None otherwise, or where the run has none (the
-    stage's own checks then say what is wrong with the run)."""
-    if not args.resume or args.config is not None:
-        return None
-    from model.rundir.layout import CONFIG_FILE, read_saved_config
-
-    run_dir = run_dir_of(args, default.stem)
-    config = read_saved_config(run_dir)
-    if config is not None:
-        line = f"config: the run's own, {run_dir / CONFIG_FILE} (no --config given)"
-        print(printable(line), file=sys.stderr)
-    return config
-
-
-def run_dir_of(args: argparse.Namespace, name: str) -> Path:
-    """--out, or runs/<the config's name>."""
-    return Path(args.out) if args.out else Path("runs") / name
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,11 +13,15 @@ key to different values are refused, as are two sources of training text (docs/c
 from __future__ import annotations
 
 import argparse
+import collections
 import re
 import shlex
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 from configs.schema import parse_override
+from plumbing.cli import printable
 
 # flag -> dotted config key; flags are shorthands for config values.
 SHORTHANDS = {
@@ -48,24 +52,44 @@ SHORTHANDS = {
 OVERRIDE_ITEM = re.compile(r"^[A-Za-z_]+(\.[A-Za-z_0-9]+)+=")
 
 
-def split_list_overrides(args: argparse.Namespace) -> str | None:
+def split_list_overrides(args: argparse.Namespace, argv: list[str] | None = None) -> str | None:
     """Move what a list flag (`--input`, `--special-tokens`) took from its first dotted
-    `key=value` on to the overrides.
+    `key=value` on to the overrides, in the order they were typed in `argv` (the last of one
+    key wins, wherever the list flag stood).
 
     `--input a.txt train.max_steps=200` means one file and one override; a file whose name has
     an `=` but no dotted key before it (`x=1.txt`) stays a file. Returns an error message when
     `--input` is left with no file.
     """
+    moved = False
     for name in ("input", "special_tokens"):
         items = getattr(args, name)
         for i, item in enumerate(items or ()):
             if OVERRIDE_ITEM.match(item):
                 setattr(args, name, items[:i])
                 args.overrides = [*args.overrides, *items[i:]]
+                moved = True
                 if name == "input" and i == 0:
                     return f"--input needs a file before the config override {item!r}"
                 break
+    if moved and argv is not None:
+        args.overrides = in_typed_order(args.overrides, argv)
     return None
+
+
+def in_typed_order(items: list[str], argv: list[str]) -> list[str]:
+    """`items`, every one an argument of `argv`, in `argv`'s order.
+
+    >>> in_typed_order(["b=2", "a=1"], ["--input", "f", "a=1", "--config", "c", "b=2"])
+    ['a=1', 'b=2']
+    """
+    wanted = collections.Counter(items)
+    ordered = []
+    for arg in argv:
+        if wanted[arg] > 0:
+            wanted[arg] -= 1
+            ordered.append(arg)
+    return ordered if len(ordered) == len(items) else items
 
 
 class Setting(NamedTuple):
@@ -107,3 +131,32 @@ def settings_conflict(settings: list[Setting]) -> str | None:
     if len(sources) == 2 and all(s.value for s in sources):
         return f"{sources[0].typed} and {sources[1].typed} both name the training text: give one"
     return None
+
+
+def saved_run_config(args: argparse.Namespace, default: Path) -> dict | None:
+    """--resume without --config: the config the run was trained with (RUN/config.json, or
+    where that is lost or damaged, the one its newest checkpoint keeps), not the default
+    file's, said in one line; None otherwise, or where the run has none (the stage's own
+    checks then say what is wrong with the run)."""
+    if not args.resume or args.config is not None:
+        return None
+    from model.rundir.layout import CONFIG_FILE, read_checkpoint_config, read_saved_config
+
+    run_dir = run_dir_of(args, default.stem)
+    config = read_saved_config(run_dir)
+    if config is not None:
+        line = f"config: the run's own, {run_dir / CONFIG_FILE} (no --config given)"
+        print(printable(line), file=sys.stderr)
+        return config
+    kept = read_checkpoint_config(run_dir)
+    if kept is not None:
+        line = (f"config: {run_dir / CONFIG_FILE} is missing or damaged: the run's own, as its "
+                f"checkpoint at step {kept[0]} keeps it (no --config given)")  # fmt: skip
+        print(printable(line), file=sys.stderr)
+        return kept[1]
+    return None
+
+
+def run_dir_of(args: argparse.Namespace, name: str) -> Path:
+    """--out, or runs/<the config's name>."""
+    return Path(args.out) if args.out else Path("runs") / name

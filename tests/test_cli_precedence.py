@@ -19,7 +19,7 @@ from tests.tiny_runs import TINY_TRAIN, write_word_corpus
 def parse(*argv: str):
     """argv through the CLI's own checks: the parsed args, or the one-line problem."""
     args = tinyllm.build_parser().parse_args(list(argv))
-    problem = tinyllm.argument_problem(args)
+    problem = tinyllm.argument_problem(args, list(argv))
     assert problem is None, problem
     return args
 
@@ -252,3 +252,12 @@ def test_tinystories_config_trains_on_a_local_file(tmp_path, capsys, monkeypatch
     assert f"config: the run's own, {out / 'config.json'} (no --config given)" in lines
     assert any("resuming at step 8" in line for line in lines), lines
     assert json.loads((out / "config.json").read_text())["model"] == recorded["model"]
+    # config.json damaged: the config its newest checkpoint keeps, not the default's.
+    (out / "config.json").write_text('{"broken')
+    code, lines = run_main(capsys, "--train", "--resume", "--out", out, "train.max_steps=12")
+    assert code == 0, lines
+    assert any("is missing or damaged: the run's own, as its checkpoint at step 10" in line
+               for line in lines), lines  # fmt: skip
+    assert any("resuming at step 10" in line for line in lines), lines
+    healed = json.loads((out / "config.json").read_text())
+    assert healed["model"] == recorded["model"] and healed["data"] == recorded["data"]

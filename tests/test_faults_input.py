@@ -263,7 +263,7 @@ def test_input_name_that_is_not_utf8(tmp_path, capsys, text_file):
 
 def parse(argv: list[str]):
     args = tinyllm.build_parser().parse_args(argv)
-    assert split_list_overrides(args) is None
+    assert split_list_overrides(args, argv) is None
     return args
 
 
@@ -278,9 +278,22 @@ def test_input_stops_at_the_first_override():
     assert args.special_tokens == ["<|a|>"] and args.overrides == ["tokenizer.vocab_size=300"]
 
 
+def test_a_pair_after_the_input_files_wins_over_one_before_whatever_flags_stand_between():
+    # --input takes model.n_layer=2 with its files; model.n_layer=6 after --config is typed last.
+    argv = ["--plan", "--input", "a.txt", "model.n_layer=2", "--config", "c", "model.n_layer=6"]
+    assert parse(argv).overrides == ["model.n_layer=2", "model.n_layer=6"]
+    argv = ["--plan", "model.n_layer=6", "--input", "a.txt", "model.n_layer=2"]
+    assert parse(argv).overrides == ["model.n_layer=6", "model.n_layer=2"]
+
+
 def test_input_with_only_an_override_is_one_line(capsys):
     code, lines = run_main(capsys, "--tokenize", "--input", "train.max_steps=3")
     assert_one_line_error(code, lines, "--input needs a file")
+
+
+def test_an_empty_config_name_is_one_line(capsys):
+    code, lines = run_main(capsys, "--plan", "--config", "")
+    assert_one_line_error(code, lines, "--config needs a config's name or a path")
 
 
 def test_docstring_examples_parse_as_meant():

@@ -310,7 +310,10 @@ def test_opening_a_trained_run_names_what_is_missing(tmp_path, capsys, trained_r
     with pytest.raises(UsageError, match=r"no tokenizer in .*: the run directory is incomplete"):
         open_trained_run(run)
     CharTokenizer.train("another text").save(run / "tokenizer.pkl")
-    with pytest.raises(UsageError, match="changed since the model was trained: retrain it"):
+    with pytest.raises(UsageError, match="not the one the model was trained with: put the run"):
+        open_trained_run(run).load()
+    (run / "tokenizer.pkl").write_bytes((trained_run / "tokenizer.pkl").read_bytes()[:50])
+    with pytest.raises(UsageError, match="not a tinyllm tokenizer file"):  # damaged, not changed
         open_trained_run(run).load()
 
     quantized = tmp_path / "q8"

@@ -46,6 +46,21 @@ def read_saved_config(run_dir: Path) -> dict | None:
     return saved if isinstance(saved, dict) else None
 
 
+def read_checkpoint_config(run_dir: Path) -> tuple[int, dict] | None:
+    """(step, config) saved with the newest checkpoint whose record reads (orbax keeps it as
+    JSON, checkpoints/STEP/meta/metadata), or None: where config.json is lost, the run's
+    config is still there."""
+    for step in sorted(checkpoint_steps(run_dir), reverse=True):
+        path = Path(run_dir) / CHECKPOINT_DIR / str(step) / "meta" / "metadata"
+        try:
+            config = json.loads(path.read_text(encoding="utf-8")).get("config")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(config, dict):
+            return step, config
+    return None
+
+
 def checkpoint_steps(run_dir: Path) -> list[int]:
     """Steps of the committed checkpoints: orbax names each step's directory by its number
     (a digit-named stray file is not a checkpoint; orbax's temp directories have suffixes)."""

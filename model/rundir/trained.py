@@ -106,13 +106,15 @@ class TrainedRun:
         """UsageError unless the run's tokenizer file is the one the weights were made with."""
         if meta.get("tokenizer_sha256") == file_sha256(self.tokenizer_path):
             return
+        self.tokenizer  # noqa: B018 -- a damaged file says so (UsageError), not "changed"
         if self.quantized:
             raise UsageError(
                 f"the tokenizer in {self.run_dir} is not the one {QUANT_FILE} was made with: "
                 "quantize the trained run again"
             )
         raise UsageError(
-            f"the tokenizer in {self.run_dir} changed since the model was trained: retrain it"
+            f"the tokenizer in {self.run_dir} is not the one the model was trained with: put "
+            f"the run's own {TOKENIZER_FILE} back, or train a new run"
         )
 
 
