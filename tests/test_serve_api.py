@@ -200,7 +200,15 @@ BAD = {
     "tokenize without a prompt": {"text": "hi"},
     "detokenize bad ids": {"tokens": [1, "a"]},
 }
-NEUTRAL = {"logit_bias": {}, "frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": None}
+NEUTRAL = {
+    "logit_bias": {},
+    "frequency_penalty": 0,
+    "presence_penalty": 0.0,
+    "logprobs": None,
+    "n": 1.0,
+    "seed": 5.0,
+    "response_format": {"type": "text"},
+}  # 1.0 is 1, as for max_tokens
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -47,8 +47,8 @@ _NEUTRAL = {
     "logit_bias": ("{}", lambda v: v == {}),
     "frequency_penalty": ("0", lambda v: _is_number(v) and v == 0),
     "presence_penalty": ("0", lambda v: _is_number(v) and v == 0),
-    "n": ("1: this server returns one choice per prompt", lambda v: _is_int(v) and v == 1),
-    "best_of": ("1", lambda v: _is_int(v) and v == 1),
+    "n": ("1: this server returns one choice per prompt", lambda v: _is_number(v) and v == 1),
+    "best_of": ("1", lambda v: _is_number(v) and v == 1),
     "response_format": ('{"type": "text"}', lambda v: v == {"type": "text"}),
 }
 MAX_STOPS = 4
@@ -175,6 +175,8 @@ def _settings(
     seed = body.get("seed")
     if seed is None:
         seed = random.randrange(SEED_MAX)  # a fresh draw per request, as OpenAI's
+    elif isinstance(seed, float) and seed.is_integer():
+        seed = int(seed)  # 5.0 is 5, as for every integer field (_integer)
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0),
         top_k=_integer(body, "top_k", 0, low=0),
