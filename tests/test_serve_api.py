@@ -107,6 +107,27 @@ def test_text_offsets_point_at_each_tokens_text_past_a_lone_utf8_byte(server, tr
     assert offsets[:2] == [0, 1]
     for at, token in zip(offsets[1:], tokens[1:], strict=True):
         assert choice["text"][at : at + len(token)] == token
+    # A prompt that ends mid-character: its U+FFFD is counted, then the generated text's own.
+    cut = next(i for i in range(256) if tokenizer.decode_bytes([i]) == b"\xe2")
+    body = {"prompt": [ids[1], cut], "echo": True, "logprobs": 0, "max_tokens": 4,
+            "temperature": 0}  # fmt: skip
+    for stream in (False, True):
+        choice = post(server, "/v1/completions", {**body, "stream": stream})
+        if stream:  # the events' offsets, joined
+            events = [json.loads(line[6:]) for line in choice.text.splitlines()
+                      if line.startswith("data: {")]  # fmt: skip
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            logprobs = [e["choices"][0]["logprobs"] for e in events if e["choices"]]
+            offsets = [at for lp in logprobs if lp for at in lp["text_offset"]]
+            tokens = [t for lp in logprobs if lp for t in lp["tokens"]]
+        else:
+            choice = choice.json()["choices"][0]
+            text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+            tokens = choice["logprobs"]["tokens"]
+        assert text.startswith("t\ufffd") and offsets[:3] == [0, 1, 2], (text, offsets)
+        for at, token in zip(offsets[2:], tokens[2:], strict=True):
+            if not token.startswith("bytes:"):
+                assert text[at : at + len(token)] == token, (text, offsets, tokens)
 
 
 def test_a_stream_with_include_usage_ends_with_the_usage(server):

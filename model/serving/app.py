@@ -43,7 +43,7 @@ from model.serving.config import ServeConfig
 from model.serving.engine import Engine
 from model.serving.guard import HostCheck, bound_hosts
 from model.serving.job import Job
-from model.serving.logprobs import Scored, chat_logprobs, completion_logprobs
+from model.serving.logprobs import chat_logprobs, completion_logprobs
 from model.serving.metrics import ServeMetrics
 from model.serving.openai_api import (
     ApiError,
@@ -191,7 +191,10 @@ class Server:
     async def answer(self, http: HttpRequest, completion: Completion):
         prompts = await run_in_threadpool(lambda: [self.encode(p) for p in completion.prompts])
         loop = asyncio.get_running_loop()
-        jobs = [Job(i, ids, text, completion, loop) for i, (ids, text) in enumerate(prompts)]
+        decode = self.tokenizer.decode_bytes
+        jobs = [
+            Job(i, ids, text, completion, loop, decode) for i, (ids, text) in enumerate(prompts)
+        ]
         try:
             for job in jobs:
                 self.engine.submit(job.request)
@@ -227,17 +230,14 @@ class Server:
 
     def choice_of(self, job: Job, completion: Completion) -> dict:
         text = "".join(job.pieces)
-        offset = 0
         if completion.echo:
-            text, offset = job.prompt_text + text, 0
+            text = job.prompt_text + text
         logprobs = None
         if completion.logprobs is not None:
             if completion.chat:
                 logprobs = chat_logprobs(self.tokenizer, job.scored, completion.logprobs)
             else:
-                logprobs = completion_logprobs(
-                    self.tokenizer, job.scored, completion.logprobs, offset
-                )
+                logprobs = completion_logprobs(self.tokenizer, job.scored, completion.logprobs)
         finish = job.done["finish_reason"]
         return choice(text, finish, completion.chat, False, True, job.index, logprobs)
 
@@ -266,11 +266,10 @@ class Server:
                     kind, data = await job.next_event()  # the prompt's scores come first
                     if kind in ("gone", "error"):
                         return
-                logprobs, scored_sent = self._stream_logprobs(job, completion, 0, 0)
+                logprobs, scored_sent = self._stream_logprobs(job, completion, 0)
                 part = choice(text, None, chat, delta=True, first=True, logprobs=logprobs)
                 first = False
                 yield _sse(envelope(ident, self.model_name, chat, True, [part]))
-            offset = len(job.prompt_text) if completion.echo else 0
             while True:
                 kind, data = await job.next_event()
                 if kind == "gone":
@@ -282,10 +281,9 @@ class Server:
                     continue
                 text = data if kind == "text" else ""
                 finish = data["finish_reason"] if kind == "done" else None
-                logprobs, sent = self._stream_logprobs(job, completion, scored_sent, offset)
+                logprobs, sent = self._stream_logprobs(job, completion, scored_sent)
                 scored_sent += sent
                 part = choice(text, finish, chat, True, first, logprobs=logprobs)
-                offset += len(text)
                 first = False
                 yield _sse(envelope(ident, self.model_name, chat, True, [part]))
                 if kind == "done":
@@ -299,14 +297,14 @@ class Server:
             watcher.cancel()
             job.request.cancel()  # the client disconnected mid-stream: its row is freed
 
-    def _stream_logprobs(self, job: Job, completion: Completion, start: int, offset: int):
+    def _stream_logprobs(self, job: Job, completion: Completion, start: int):
         """(the logprobs of the tokens scored since `start`, how many), or (None, 0)."""
         if completion.logprobs is None:
             return None, 0
-        part = Scored(job.scored.ids[start:], job.scored.logprobs[start:], job.scored.top[start:])
+        part = job.scored.since(start)
         if completion.chat:
             return chat_logprobs(self.tokenizer, part, completion.logprobs), len(part.ids)
-        return completion_logprobs(self.tokenizer, part, completion.logprobs, offset), len(part.ids)
+        return completion_logprobs(self.tokenizer, part, completion.logprobs), len(part.ids)
 
 
 def _sse(payload: dict) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from model.serving.logprobs import Scored
@@ -17,8 +18,12 @@ from model.serving.requests import Request
 class Job:
     """One prompt's engine request and what comes back for it (events arrive on the loop)."""
 
-    def __init__(self, index: int, ids: list[int], text: str, completion: Completion, loop):
+    def __init__(
+        self, index: int, ids: list[int], text: str, completion: Completion, loop,
+        decode_bytes: Callable[[list[int]], bytes],
+    ) -> None:  # fmt: skip
         self.index, self.ids, self.prompt_text = index, ids, text
+        self.decode_bytes = decode_bytes
         self.events: asyncio.Queue = asyncio.Queue()
         self.request = Request(
             prompt_ids=ids,
@@ -41,17 +46,21 @@ class Job:
         """The next event, with the prompt's and tokens' scores recorded on the way."""
         kind, data = await self.events.get()
         if kind == "prompt":
-            self.scored.add(self.ids[:1], None)
-            self.scored.add(self.ids[1:], data)
+            self.scored.add(self.ids[:1], None, self._pieces(self.ids[:1]))
+            self.scored.add(self.ids[1:], data, self._pieces(self.ids[1:]))
+            self.scored.end_prompt()
         elif kind in ("tokens", "text") and self.first_at is None:
             self.first_at = time.perf_counter()
         if kind == "tokens":
-            self.scored.add(data["token"], data)
+            self.scored.add(data["token"], data, self._pieces(data["token"]))
         elif kind == "text":
             self.pieces.append(data)
         elif kind == "done":
             self.done = data
         return kind, data
+
+    def _pieces(self, ids) -> list[bytes]:
+        return [self.decode_bytes([int(t)]) for t in ids]
 
     async def finish(self) -> str | None:
         """Wait for the end: None when done, else why not ("gone", or the error message)."""

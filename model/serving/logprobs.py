@@ -9,31 +9,59 @@ prompt's tokens first, the first of them scored `null`) or a chat choice's `logp
 A token is a byte string; one that is not whole UTF-8 text on its own (part of a character)
 is named as OpenAI names it, `bytes:\\xe2\\x80`, so that every token has a distinct name.
 
-    >>> _offsets([b"a", b"\\xe2\\x82", b"\\xac", b"b"], start=0)
-    [0, 1, 1, 2]
-    >>> _offsets([b"\\xa9", b"A"], start=0)  # a lone continuation byte: one U+FFFD
-    [0, 1]
+A token's `text_offset` is where its own text starts in the choice's text, decoded as the
+text itself is, by an incremental UTF-8 decoder that replaces bad bytes: the echoed prompt on
+its own (a character it leaves unfinished is one U+FFFD), then the generated text, as the
+engine decodes it (model/serving/text.py). A token that ends a character begun before it
+stands at that character, as vLLM counts; one after an unfinished character stands after the
+U+FFFD that the character becomes.
+
+    >>> scored = Scored()
+    >>> scored.add([1, 2, 3, 4], None, [b"a", b"\\xe2\\x82", b"\\xac", b"\\xa9"])
+    >>> scored.end_prompt()
+    >>> scored.add([5, 6], None, [b"\\xe2", b"b"])
+    >>> scored.offsets  # the lone byte is one U+FFFD; so is the generated text's cut-off one
+    [0, 1, 1, 2, 3, 4]
 """
 
 from __future__ import annotations
 
 import codecs
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 
+def _utf8_decoder() -> Any:
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+
 @dataclass
 class Scored:
-    """Tokens and their scores, appended to as they arrive (prompt, then generated)."""
+    """Tokens, their scores and their text offsets (see the module docstring), appended to
+    as they arrive (prompt, then generated)."""
 
     ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    _decoder: Any = field(default_factory=_utf8_decoder, repr=False)
+    _at: int = 0
 
-    def add(self, ids, scores: dict | None) -> None:
-        """Tokens `ids`; `scores` (`token_scores` arrays, one row per token) or None (no
-        score: the prompt's first token)."""
+    def since(self, start: int) -> Scored:
+        """The tokens from `start` on (a stream's new ones)."""
+        return Scored(self.ids[start:], self.logprobs[start:], self.top[start:],
+                      self.offsets[start:])  # fmt: skip
+
+    def add(self, ids, scores: dict | None, pieces: list[bytes]) -> None:
+        """Tokens `ids`, their bytes `pieces`; `scores` (`token_scores` arrays, one row per
+        token) or None (no score: the prompt's first token)."""
+        for data in pieces:
+            emitted = len(self._decoder.decode(data))
+            own = len(_utf8_decoder().decode(data))  # what the token decodes to on its own
+            self.offsets.append(self._at + max(0, emitted - own))  # past what it ends of before
+            self._at += emitted
         self.ids.extend(int(i) for i in ids)
         if scores is None:
             self.logprobs.extend([None] * len(ids))
@@ -42,6 +70,12 @@ class Scored:
         self.logprobs.extend(float(x) for x in np.asarray(scores["logprob"]))
         for ids_5, lps_5 in zip(scores["top_ids"], scores["top_logprobs"], strict=True):
             self.top.append([(int(i), float(lp)) for i, lp in zip(ids_5, lps_5, strict=True)])
+
+    def end_prompt(self) -> None:
+        """The echoed prompt ends here: it is decoded on its own, and the generated text
+        afresh."""
+        self._at += len(self._decoder.decode(b"", final=True))
+        self._decoder = _utf8_decoder()
 
 
 def token_name(tokenizer, token: int) -> str:
@@ -52,10 +86,9 @@ def token_name(tokenizer, token: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
-def completion_logprobs(tokenizer, scored: Scored, n: int, start_offset: int = 0) -> dict:
+def completion_logprobs(tokenizer, scored: Scored, n: int) -> dict:
     """A completion choice's `logprobs` with `n` alternatives per token."""
     names = [token_name(tokenizer, t) for t in scored.ids]
-    pieces = [tokenizer.decode_bytes([t]) for t in scored.ids]
     tops = [
         None if top is None else {token_name(tokenizer, i): lp for i, lp in top[:n]}
         for top in scored.top
@@ -64,7 +97,7 @@ def completion_logprobs(tokenizer, scored: Scored, n: int, start_offset: int = 0
         "tokens": names,
         "token_logprobs": scored.logprobs,
         "top_logprobs": tops,
-        "text_offset": _offsets(pieces, start_offset),
+        "text_offset": scored.offsets,
     }
 
 
@@ -80,16 +113,3 @@ def chat_logprobs(tokenizer, scored: Scored, n: int) -> dict:
         alternatives = [entry(i, lp) for i, lp in (top or [])[:n]]
         content.append({**entry(token, logprob), "top_logprobs": alternatives})
     return {"content": content}
-
-
-def _offsets(pieces: list[bytes], start: int) -> list[int]:
-    """Each token's character offset in the text the pieces decode to: the characters
-    decoded before it by the incremental UTF-8 decoder that writes the text (bad bytes
-    replaced by U+FFFD, model/serving/text.py). A token that ends a character begun before
-    it stands at that character, as vLLM counts."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offsets, at = [], start
-    for data in pieces:
-        offsets.append(at)
-        at += len(decoder.decode(data))
-    return offsets
