@@ -16,6 +16,7 @@ The screenshot in the docs comes from this test (any served run, the demo's look
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -116,6 +117,13 @@ def test_the_page_streams_the_greedy_completion(page, run_dir, tmp_path):
         target = os.environ.get("TINYLLM_SCREENSHOT")
         if target:
             shutil.copyfile(shot, ROOT / target)
+
+        # An empty field is left out (the server's default), not sent as 0 (greedy).
+        page.fill("#temperature", "")
+        with page.expect_request("**/v1/completions") as sent:
+            page.click("#generate")
+        assert "temperature" not in json.loads(sent.value.post_data)
+        expect(page.locator("#generate")).to_be_enabled(timeout=WAIT_MS)
 
         # A refused request: its JSON error message, shown in #status as an error.
         generate(page, PROMPT, 100_000)
