@@ -86,6 +86,8 @@ def one_line_errors(name: str, debug: bool = False) -> Iterator[None]:
     """Turn a UsageError or an OSError raised in the block into one line on stderr and
     `SystemExit(2)`; with `debug`, let it raise with its traceback (and show the debug log)."""
     show_debug_log(debug)
+    if not debug:
+        quiet_background_errors()
     try:
         yield
     except (UsageError, OSError) as err:
@@ -106,18 +108,28 @@ def is_out_of_memory(err: Exception) -> bool:
 
 
 def quiet_background_errors() -> None:
-    """A failed background checkpoint write (a full disk) reaches the CLI as one error line
-    (model.rundir.checkpoints), but orbax first logs it from its threads as absl and asyncio ERROR
-    lines with tracebacks, and its closed event loops report "Event loop is closed" as
-    unraisable exceptions. Silence those echoes; every other exception keeps its traceback."""
+    """A failed background checkpoint write (a full disk) or read (every checkpoint damaged)
+    reaches the CLI as one error line (model.rundir.checkpoints), but orbax first logs it from
+    its threads as absl and asyncio ERROR lines with tracebacks; its closed event loops report
+    "Event loop is closed", and the reads it leaves behind their own errors, as unraisable
+    exceptions when they are collected. Silence those echoes; every other exception keeps its
+    traceback."""
     for name in ("absl", "asyncio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    if getattr(sys.unraisablehook, "quiets_orbax", False):
+        return  # installed already
     previous = sys.unraisablehook
 
     def hook(unraisable):
-        value = unraisable.exc_value
-        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-            return
-        previous(unraisable)
+        if not _orbax_echo(unraisable):
+            previous(unraisable)
 
+    hook.quiets_orbax = True
     sys.unraisablehook = hook
+
+
+def _orbax_echo(unraisable) -> bool:
+    value, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+        return True
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename  # its coroutine
