@@ -104,7 +104,9 @@ def remove_atomic_leftovers(directory: str | os.PathLike) -> None:
 def staged_directory(out_dir: str | os.PathLike) -> Iterator[Path]:
     """Build a directory beside its destination and rename it into place when the block ends
     without an error: readers see no directory or a whole one, never half of one. It gets the
-    mode `mkdir` would give (mkdtemp's is 0700). `out_dir` must be absent or empty.
+    mode `mkdir` would give (mkdtemp's is 0700), and each file in it the mode `open` would
+    (some writers, safetensors' among them, make 0600 files). `out_dir` must be absent or
+    empty.
 
     >>> import tempfile, pathlib
     >>> target = pathlib.Path(tempfile.mkdtemp()) / "export"
@@ -119,6 +121,9 @@ def staged_directory(out_dir: str | os.PathLike) -> Iterator[Path]:
     try:
         os.chmod(staging, dir_mode())
         yield staging
+        for path in staging.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                os.chmod(path, file_mode())
         if out_dir.exists():
             out_dir.rmdir()  # empty (the caller checked), or this raises
         os.replace(staging, out_dir)

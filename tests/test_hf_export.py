@@ -19,7 +19,7 @@ from configs.schema import load_config
 from model.interop.hf_export import export_run
 from model.interop.hf_format import EOT
 from model.rundir.trained import open_trained_run
-from plumbing.atomic import dir_mode
+from plumbing.atomic import dir_mode, file_mode
 from tests.test_hf_gpt2 import (  # noqa: F401 (bpe, corpus, hf: fixtures)
     ODD_TEXTS,
     bpe,
@@ -77,6 +77,8 @@ def test_export_loads_in_transformers_with_our_logits_and_greedy_text(hf, traine
         "merges.txt",
     }
     assert out.stat().st_mode & 0o777 == dir_mode()  # the umask's mode, not mkdtemp's 0700
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert set(modes.values()) == {file_mode()}, modes  # safetensors' file too, not 0600
     tokenizer, model, _ = open_trained_run(trained_run).load()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     their_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
