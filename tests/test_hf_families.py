@@ -249,6 +249,28 @@ def llama_dir(hf, bpe4, tmp_path_factory):
     return make_hf_dir(hf, bpe4, tmp_path_factory.mktemp("llama"), "llama", seed=3)
 
 
+def test_a_sharded_checkpoint_loads_as_its_one_file_does(
+    hf, bpe4, llama_dir, corpus, tmp_path, capsys
+):
+    # save_pretrained past max_shard_size: model.safetensors.index.json and its shards.
+    directory, reference = llama_dir
+    sharded = tmp_path / "sharded"
+    reference.save_pretrained(sharded, max_shard_size="40KB")
+    write_tokenizer_files(bpe4, sharded)
+    shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1 and not (sharded / "model.safetensors").exists()
+    ids = jnp.asarray(np.arange(24)[None] % bpe4.vocab_size, jnp.int32)
+    np.testing.assert_array_equal(
+        forward(load_hf_model(str(sharded))[1], ids), forward(load_hf_model(str(directory))[1], ids)
+    )
+    argv = finetune_argv(sharded, corpus, tmp_path / "run")  # --init-from checks every shard
+    code, _, err = run_cli(capsys, *argv, *FINETUNE_SETTINGS, "train.max_steps=1")
+    assert code == 0, err
+    (sharded / shards[-1]).unlink()
+    code, _, err = greedy_from(capsys, sharded, tmp_path / "unused", "to")
+    assert_one_line_error(code, err, "tinyllm", f"shard {shards[-1]} is missing")
+
+
 def _broken(llama_dir, tmp_path, config=None, tokenizer=None) -> Path:
     bad = tmp_path / "bad"
     shutil.copytree(llama_dir[0], bad)

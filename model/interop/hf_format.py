@@ -32,6 +32,8 @@ CONFIG_JSON, WEIGHTS, TOKENIZER_JSON, VOCAB_JSON, MERGES_TXT = (
     "vocab.json",
     "merges.txt",
 )
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's tensors -> files
+SHARDS = "model-*-of-*.safetensors"  # how save_pretrained names the shards
 GENERATION_CONFIG = "generation_config.json"
 # A tokenizer's files, in order of preference: transformers reads tokenizer.json first too.
 TOKENIZER_LAYOUTS = ((TOKENIZER_JSON,), (VOCAB_JSON, MERGES_TXT))
@@ -61,6 +63,32 @@ def require_files(directory: Path, names: tuple[str, ...], tokenizer: bool = Fal
             f"{directory} is not a Hugging Face checkpoint: {', '.join(missing)} missing "
             f"(it needs {', '.join(needs)})"
         )
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors files: model.safetensors, or the shards its index names
+    (what save_pretrained writes past `max_shard_size`). UsageError when neither is there, or
+    the index is unreadable or names a shard that is missing or outside the directory."""
+    if (directory / WEIGHTS).is_file():
+        return [directory / WEIGHTS]
+    index = directory / WEIGHTS_INDEX
+    if not index.is_file():
+        raise UsageError(
+            f"{directory} is not a Hugging Face checkpoint: {WEIGHTS} (or {WEIGHTS_INDEX} and "
+            "its shards) missing"
+        )
+    try:
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise UsageError(
+            f"{index}: not a readable shard index ({type(err).__name__}: {err})"
+        ) from None
+    if not names or not all(isinstance(n, str) and Path(n).name == n != ".." for n in names):
+        raise UsageError(f"{index}: not a shard index (its weight_map names no shard files)")
+    for name in names:
+        if not (directory / name).is_file():
+            raise UsageError(f"{directory}: shard {name} is missing (named in {WEIGHTS_INDEX})")
+    return [directory / name for name in names]
 
 
 def read_hf_config(directory: Path) -> tuple[Family, dict[str, Any]]:

@@ -26,9 +26,11 @@ from model.interop.hf_format import (
     CONFIG_JSON,
     EOT,
     MERGES_TXT,
+    SHARDS,
     TOKENIZER_JSON,
     VOCAB_JSON,
     WEIGHTS,
+    WEIGHTS_INDEX,
     canonical,
     check_tensor_shapes,
     expected_tensors,
@@ -40,6 +42,7 @@ from model.interop.hf_format import (
     require_files,
     tokenizer_files,
     vocab_tensors,
+    weight_files,
 )
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
@@ -63,15 +66,18 @@ def resolve_hf_dir(name: str) -> Path:
     if not looks_like_hub_id:
         raise UsageError(
             f"--init-from {name}: no such directory; give a Hugging Face checkpoint directory "
-            "of GPT-2, Llama or Qwen3 (config.json, model.safetensors, and tokenizer.json or "
-            "vocab.json + merges.txt; configs/finetune_gpt2.toml shows how to fetch GPT-2's)"
+            "of GPT-2, Llama or Qwen3 (config.json, model.safetensors or its shards, and "
+            "tokenizer.json or vocab.json + merges.txt; configs/finetune_gpt2.toml shows how to "
+            "fetch GPT-2's)"
         )
     try:
         from huggingface_hub import snapshot_download
 
         fetched = snapshot_download(
-            name, allow_patterns=[CONFIG_JSON, WEIGHTS, TOKENIZER_JSON, VOCAB_JSON, MERGES_TXT]
-        )
+            name,
+            allow_patterns=[CONFIG_JSON, WEIGHTS, WEIGHTS_INDEX, SHARDS, TOKENIZER_JSON, VOCAB_JSON,
+                            MERGES_TXT],
+        )  # fmt: skip
     except Exception as err:  # offline, unknown repo, no huggingface_hub: all one answer
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UsageError(
@@ -152,7 +158,8 @@ def load_hf_params(name: str, params_like: Any, base: ModelConfig | None = None)
     """The checkpoint's weights shaped (and placed) like `params_like`, e.g. a Trainer's built
     from `hf_model_config`: its embedding's rows are the vocabulary kept."""
     directory = resolve_hf_dir(name)
-    require_files(directory, (CONFIG_JSON, WEIGHTS))
+    require_files(directory, (CONFIG_JSON,))
+    weight_files(directory)
     tokens = flat_shapes(params_like)["wte/embedding"][0]
     family, hf = read_hf_config(directory)
     hf, model_cfg = _fit_vocab(hf, model_config_from_hf(hf, base, family), tokens)
@@ -160,15 +167,18 @@ def load_hf_params(name: str, params_like: Any, base: ModelConfig | None = None)
 
 
 def _read_params(checkpoint: _Checkpoint, params_like: Any) -> Any:
-    path, family = checkpoint.directory / WEIGHTS, checkpoint.family
-    tensors = _cut_vocab(read_safetensors(path), family, checkpoint.model_cfg.vocab_size)
-    return params_from_hf(tensors, family, checkpoint.hf, checkpoint.model_cfg, params_like, path)
+    files, family = weight_files(checkpoint.directory), checkpoint.family
+    tensors = {k: v for path in files for k, v in read_safetensors(path).items()}
+    tensors = _cut_vocab(tensors, family, checkpoint.model_cfg.vocab_size)
+    where = files[0] if len(files) == 1 else checkpoint.directory
+    return params_from_hf(tensors, family, checkpoint.hf, checkpoint.model_cfg, params_like, where)
 
 
 def load_hf_model(name: str, base: ModelConfig | None = None) -> tuple[BPETokenizer, GPT]:
     """(tokenizer, GPT) of a Hugging Face checkpoint directory or hub id."""
     directory = resolve_hf_dir(name)
-    require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
+    require_files(directory, (CONFIG_JSON,), tokenizer=True)
+    weight_files(directory)
     tokenizer = load_hf_tokenizer(str(directory))
     checkpoint = _open(str(directory), base, tokenizer)
     graphdef, abstract, rest = abstract_model(checkpoint.model_cfg)
@@ -183,18 +193,20 @@ def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) ->
     from safetensors import SafetensorError, safe_open
 
     directory = resolve_hf_dir(name)
-    require_files(directory, (CONFIG_JSON, WEIGHTS), tokenizer=True)
+    require_files(directory, (CONFIG_JSON,), tokenizer=True)
+    files = weight_files(directory)
     tokenizer = load_hf_tokenizer(str(directory))
     checkpoint = _open(str(directory), base, tokenizer)
     family, hf, model_cfg = checkpoint.family, checkpoint.hf, checkpoint.model_cfg
-    try:
-        with safe_open(str(directory / WEIGHTS), framework="np") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError) as err:
-        raise UsageError(
-            f"{directory / WEIGHTS}: not a readable safetensors file ({err})"
-        ) from None
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="np") as f:
+                shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        except (SafetensorError, OSError) as err:
+            raise UsageError(f"{file}: not a readable safetensors file ({err})") from None
     expected = expected_tensors(family, hf, model_cfg, abstract_model(model_cfg)[1])
     shapes = _cut_vocab(shapes, family, model_cfg.vocab_size)
-    check_tensor_shapes(shapes, expected, family, directory / WEIGHTS)
+    where = files[0] if len(files) == 1 else directory
+    check_tensor_shapes(shapes, expected, family, where)
     tokenizer.save(path)
