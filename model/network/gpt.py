@@ -357,6 +357,9 @@ def flops_per_token(cfg: ModelConfig, n_params: int | None = None) -> float:
         >>> cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
         >>> flops_per_token(cfg) > 0
         True
+        >>> top2 = [flops_per_token(dataclasses.replace(cfg, moe_experts=e)) for e in (2, 8)]
+        >>> top2[1] - top2[0] == 6 * 2 * 32 * 6  # 2 of 8 experts run: only the routers grow
+        True
     """
     n = n_params
     if n is None:
@@ -369,4 +372,9 @@ def flops_per_token(cfg: ModelConfig, n_params: int | None = None) -> float:
     # multi-token head runs the output layer once more, beyond its own Linear.
     n -= len(cfg.value_embedding_layers) * cfg.vocab_size * cfg.attn_width
     n += cfg.mtp_tokens * cfg.vocab_size * cfg.n_embd
+    # A token runs its top-k experts, not all of them: the model's FLOPs count those (as
+    # MaxText's MFU does), whatever padding to capacity the layer computes besides.
+    widths = 3 if cfg.mlp == "swiglu" else 2  # gate + up + proj, or fc + proj
+    idle = max(cfg.moe_experts - cfg.moe_top_k, 0) * widths * cfg.expert_width * cfg.n_embd
+    n -= cfg.n_moe_layers * idle
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size
