@@ -11,6 +11,7 @@ their allocator's free memory), or its CPU with as many devices as --train would
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -57,10 +58,13 @@ def _target(cfg, name: str | None, devices: int | None) -> tuple[Accelerator, in
             return device, devices or jax.device_count(), memory
     from model.processes.cpu_devices import cpu_device_count
 
-    device = accelerator("cpu")
+    machine = accelerator("cpu")
     cores = len(os.sched_getaffinity(0))
     n = devices or cpu_device_count(cfg.train.cpu_devices, cfg.train.shared_rows, cores)
-    return device, n, device.memory_bytes // n  # CPU devices share the host's memory
+    # CPU devices share the host's cores and memory: each is a share of the measured rate.
+    label = machine.label if n == 1 else f"{machine.label}, 1/{n} of it each"
+    device = dataclasses.replace(machine, bf16_flops=machine.bf16_flops / n, label=label)
+    return device, n, machine.memory_bytes // n
 
 
 def describe(plan: Plan) -> list[str]:

@@ -227,3 +227,13 @@ def test_train_starts_with_a_note_where_only_the_plans_activations_do_not_fit(mo
     assert note.startswith("train: note: the plan says about 37.2 GiB to train")
     assert "more than the 24.0 GiB of free memory on cuda:0" in note
     assert note.count("\n") == 1
+
+
+def test_cpu_devices_share_the_machines_rate(capsys):
+    # Forced host devices split the same cores: more of them make no step faster.
+    def step_seconds(devices: int) -> float:
+        argv = ["--json", "--config", "gpt2_124m", "--device", "cpu", "--devices", str(devices)]
+        return json.loads(plan_in_process(capsys, *argv))["step_seconds"]
+
+    one, four = step_seconds(1), step_seconds(4)  # the rate is measured once a process
+    assert four == pytest.approx(one, rel=1e-9)
