@@ -67,6 +67,15 @@ def _target(cfg, name: str | None, devices: int | None) -> tuple[Accelerator, in
     return device, n, machine.memory_bytes // n
 
 
+def _flop(count: float) -> str:
+    """A FLOP count in the unit that shows it (a small model's step is no 0.00 TFLOP).
+
+    >>> _flop(35e12), _flop(2.5e9)
+    ('35.00 TFLOP', '2.50 GFLOP')
+    """
+    return f"{count / 1e12:,.2f} TFLOP" if count >= 1e12 else f"{count / 1e9:,.2f} GFLOP"
+
+
 def describe(plan: Plan) -> list[str]:
     """The plan as lines for a terminal."""
     d, m = plan.device, plan.bytes_per_device
@@ -82,7 +91,7 @@ def describe(plan: Plan) -> list[str]:
         f"TFLOP/s {peak}; {memory} per device)",
         f"  model        {plan.params:,} parameters, {plan.dtype}, attention {plan.attention}",
         f"  compute      {plan.flops_per_token / 1e9:,.3f} GFLOP per token (6N + 12LDT), "
-        f"{plan.flops_per_token * tokens / 1e12:,.2f} TFLOP per step ({tokens:,.0f} tokens)",
+        f"{_flop(plan.flops_per_token * tokens)} per step ({tokens:,.0f} tokens)",
         f"  training     bytes per device ({plan.optimizer}, {layout}):",
     ]
     lines += [f"    {part:<12} {human_bytes(m[part]):>11}" for part in PARTS]

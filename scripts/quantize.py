@@ -47,10 +47,12 @@ def main(argv: list[str] | None = None) -> int:
 
         out = quantize_run(Path(args.run), args.bits, args.group_size, args.out and Path(args.out))
     sizes = linear_weight_bytes(out / QUANT_FILE)
+    ratio = sizes["linear_fp32"] / sizes["linear"]  # a tiny group size can make it larger
+    change = f"{ratio:.2f}x smaller" if ratio >= 1 else f"{1 / ratio:.2f}x larger"
     print(
         f"quantize: wrote {out} (int{args.bits}): linear weights {sizes['linear'] / 1024:.1f} KiB "
         f"(float32 {sizes['linear_fp32'] / 1024:.1f} KiB, "
-        f"{sizes['linear_fp32'] / sizes['linear']:.2f}x smaller), file "
+        f"{change}), file "
         f"{sizes['file'] / 1024:.1f} KiB; sample with: python tinyllm.py --inference --out {out}",
         file=sys.stderr,
     )

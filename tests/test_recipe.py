@@ -185,6 +185,13 @@ def test_gpt2_export_refuses_what_gpt2_cannot_hold(option, message):
     assert family_for(dataclasses.replace(TINY, zero_init_proj=True)) is GPT2  # initialisation
 
 
+def test_export_names_every_option_its_closest_family_cannot_hold():
+    with pytest.raises(UsageError) as err:
+        family_for(dataclasses.replace(TINY, x0_mixing=True, unet_skips=True, mtp_tokens=2))
+    for option in ("model.x0_mixing=true", "model.unet_skips=true", "model.mtp_tokens=2"):
+        assert option in str(err.value)  # all at once, not one a try
+
+
 @pytest.mark.parametrize(
     "section, overrides, message",
     [

@@ -171,10 +171,11 @@ def family_for(cfg: ModelConfig) -> Family:
         if not found[family.name]:
             return family
     closest = min(reversed(FAMILIES), key=lambda f: len(found[f.name]))  # ties: the later
-    problem = found[closest.name][0]
+    problems = found[closest.name]
+    more = f"; nor {', '.join(problems[1:])}" if len(problems) > 1 else ""  # all, not one a try
     raise UsageError(
-        f"no Hugging Face family can hold {problem}: this run cannot be exported "
-        f"(closest family: {closest.name})"
+        f"no Hugging Face family can hold {problems[0]}: this run cannot be exported "
+        f"(closest family: {closest.name}{more})"
     )
 
 
