@@ -271,6 +271,22 @@ def test_a_sharded_checkpoint_loads_as_its_one_file_does(
     assert_one_line_error(code, err, "tinyllm", f"shard {shards[-1]} is missing")
 
 
+def test_a_tied_config_with_a_head_of_its_own_is_refused(hf, bpe4, tmp_path):
+    # transformers runs the file's lm_head.weight: keeping the tied one would differ silently.
+    from safetensors.numpy import load_file, save_file
+
+    directory, _ = make_hf_dir(hf, bpe4, tmp_path / "tied", "llama", tie_word_embeddings=True)
+    tensors = load_file(directory / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    for head, loads in ((embedding.copy(), True), (embedding + 1.0, False)):
+        save_file({**tensors, "lm_head.weight": head}, directory / "model.safetensors")
+        if loads:  # the embedding again, as some files carry it
+            load_hf_model(str(directory))
+            continue
+        with pytest.raises(UsageError, match=r"lm_head\.weight differs from model\.embed_tokens"):
+            load_hf_model(str(directory))
+
+
 def _broken(llama_dir, tmp_path, config=None, tokenizer=None) -> Path:
     bad = tmp_path / "bad"
     shutil.copytree(llama_dir[0], bad)

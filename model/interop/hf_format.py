@@ -209,6 +209,16 @@ def params_from_hf(
     tensors = canonical(family, tensors)
     shapes = {k: v.shape for k, v in tensors.items()}
     check_tensor_shapes(shapes, expected_tensors(family, hf, cfg, params_like), family, where)
+    embedding, head = vocab_tensors(family)
+    if (
+        cfg.tie_embeddings
+        and head in tensors
+        and not np.array_equal(tensors[head], tensors[embedding])
+    ):  # transformers would run the file's head: refused rather than silently not
+        raise UsageError(
+            f"{where}: {head} differs from {embedding}, though config.json ties them "
+            "(tie_word_embeddings): set it to false to load the head as its own"
+        )
     ours = _layout(family).to_ours(tensors, hf, flat_shapes(params_like))
 
     def fill(path_key, like):
