@@ -287,6 +287,25 @@ def test_a_tied_config_with_a_head_of_its_own_is_refused(hf, bpe4, tmp_path):
             load_hf_model(str(directory))
 
 
+def test_a_shape_override_the_checkpoint_decides_is_refused_not_dropped(
+    llama_dir, tmp_path, capsys
+):
+    directory, _ = llama_dir  # 2 layers
+    for stage in (["--train"], ["--inference", "--prompt", "to"]):
+        argv = [*stage, "--init-from", directory, "--out", tmp_path / "run", "model.n_layer=4"]
+        code, _, err = run_cli(capsys, *argv)
+        assert_one_line_error(code, err, "tinyllm", "model.n_layer=4: --init-from")
+        assert "brings its own model.n_layer (2)" in err[-1]
+    assert not (tmp_path / "run").exists()
+    # How to run it stays the command line's, and an override equal to the checkpoint's is no
+    # conflict: both sample.
+    for agreeing in ("model.dropout=0.1", "model.n_layer=2"):
+        code, _, err = run_cli(capsys, "--inference", "--init-from", directory, "--out",
+                                 tmp_path / "run", "--prompt", "to", "--max-new-tokens", "2",
+                                 agreeing)  # fmt: skip
+        assert code == 0, err
+
+
 def _broken(llama_dir, tmp_path, config=None, tokenizer=None) -> Path:
     bad = tmp_path / "bad"
     shutil.copytree(llama_dir[0], bad)

@@ -113,6 +113,20 @@ def hf_model_config(
     return _open(name, base, tokenizer or load_hf_tokenizer(name)).model_cfg
 
 
+def refuse_shape_overrides(name: str, base: ModelConfig, typed: dict[str, str]) -> None:
+    """UsageError where the command line set a model field (`typed`: field -> as typed) that
+    the checkpoint `name` decides, to another value: --init-from brings its own shape, and an
+    override it would drop is said, not ignored. How to run it (dropout, dtype, attention)
+    stays the command line's."""
+    checkpoint = hf_model_config(name, base)
+    for field, shown in typed.items():
+        theirs = getattr(checkpoint, field, None)
+        if getattr(base, field, None) != theirs:
+            raise UsageError(
+                f"{shown}: --init-from {name} brings its own model.{field} ({theirs!r}): drop it"
+            )
+
+
 def _fit_vocab(hf: dict, model_cfg: ModelConfig, tokens: int) -> tuple[dict, ModelConfig]:
     """(config.json, ModelConfig) with the vocabulary cut to the tokenizer's `tokens` when
     config.json's is larger (Qwen3 pads 151,669 tokens to 151,936 rows): rows no token can be
