@@ -107,6 +107,14 @@ def test_text_offsets_point_at_each_tokens_text_past_a_lone_utf8_byte(server, tr
     assert offsets[:2] == [0, 1]
     for at, token in zip(offsets[1:], tokens[1:], strict=True):
         assert choice["text"][at : at + len(token)] == token
+    # An empty prompt is the end-of-text token: echo shows it, and the offsets count it.
+    empty = {"prompt": "", "echo": True, "logprobs": 0, "max_tokens": 3, "temperature": 0}
+    choice = post(server, "/v1/completions", empty).json()["choices"][0]
+    assert choice["text"].startswith("<|endoftext|>") and choice["logprobs"]["text_offset"][0] == 0
+    for at, token in zip(choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"],
+                         strict=True):  # fmt: skip
+        if not token.startswith("bytes:"):
+            assert choice["text"][at : at + len(token)] == token, choice
     # A prompt that ends mid-character: its U+FFFD is counted, then the generated text's own.
     cut = next(i for i in range(256) if tokenizer.decode_bytes([i]) == b"\xe2")
     body = {"prompt": [ids[1], cut], "echo": True, "logprobs": 0, "max_tokens": 4,

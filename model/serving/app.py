@@ -181,7 +181,8 @@ class Server:
                 raise ApiError(400, f"the prompt cannot be used: {err}") from None
         if len(ids) > self.max_prompt:
             raise ApiError(400, self._prompt_too_long(len(ids)))
-        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        # The text the ids spell: an empty prompt is the end-of-text token, which echo shows.
+        text = prompt if isinstance(prompt, str) and prompt else self.tokenizer.decode(ids)
         return ids, text
 
     def _prompt_too_long(self, n: int | None = None) -> str:
