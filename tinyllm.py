@@ -277,7 +277,8 @@ def command_line_config(args: argparse.Namespace) -> Config:
 def run(args: argparse.Namespace) -> int:
     cfg = command_line_config(args)
     run_dir = run_dir_of(args, cfg.name)
-    typed = {s.key[6:]: s.typed for s in command_line_settings(args) if s.key[:6] == "model."}
+    settings = command_line_settings(args)
+    typed = {s.key.removeprefix("model."): s.typed for s in settings if s.key.startswith("model.")}
     if cfg.init_from and typed and (args.train or args.inference or args.serve):
         from model.interop.hf_import import refuse_shape_overrides  # the checkpoint's shape
 

@@ -173,6 +173,33 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise UsageError(f"{path}: not a readable safetensors file ({err})") from None
 
 
+def read_weights(directory: Path) -> tuple[dict[str, np.ndarray], Path]:
+    """Every tensor of the checkpoint's files (`weight_files`), and the path that errors
+    about them name (the one file, or the directory of shards)."""
+    files = weight_files(directory)
+    tensors = {k: v for path in files for k, v in read_safetensors(path).items()}
+    return tensors, _named(files, directory)
+
+
+def weight_shapes(directory: Path) -> tuple[dict[str, tuple[int, ...]], Path]:
+    """Every tensor's shape, from the files' headers (no weights read), and the path that
+    errors about them name."""
+    from safetensors import SafetensorError, safe_open
+
+    files, shapes = weight_files(directory), {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="np") as f:
+                shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        except (SafetensorError, OSError) as err:
+            raise UsageError(f"{path}: not a readable safetensors file ({err})") from None
+    return shapes, _named(files, directory)
+
+
+def _named(files: list[Path], directory: Path) -> Path:
+    return files[0] if len(files) == 1 else directory
+
+
 def check_tensor_shapes(
     shapes: dict[str, tuple[int, ...]],
     expected: dict[str, tuple[int, ...]],

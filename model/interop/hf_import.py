@@ -38,11 +38,12 @@ from model.interop.hf_format import (
     model_config_from_hf,
     params_from_hf,
     read_hf_config,
-    read_safetensors,
+    read_weights,
     require_files,
     tokenizer_files,
     vocab_tensors,
     weight_files,
+    weight_shapes,
 )
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
@@ -181,10 +182,9 @@ def load_hf_params(name: str, params_like: Any, base: ModelConfig | None = None)
 
 
 def _read_params(checkpoint: _Checkpoint, params_like: Any) -> Any:
-    files, family = weight_files(checkpoint.directory), checkpoint.family
-    tensors = {k: v for path in files for k, v in read_safetensors(path).items()}
+    tensors, where = read_weights(checkpoint.directory)
+    family = checkpoint.family
     tensors = _cut_vocab(tensors, family, checkpoint.model_cfg.vocab_size)
-    where = files[0] if len(files) == 1 else checkpoint.directory
     return params_from_hf(tensors, family, checkpoint.hf, checkpoint.model_cfg, params_like, where)
 
 
@@ -204,23 +204,14 @@ def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) ->
     directory's tokenizer (our pickle format). Nothing is written for a directory that does
     not load: the files, config.json, the tokenizer and the tensors' names and shapes (from
     the safetensors header, no weights read) are checked first."""
-    from safetensors import SafetensorError, safe_open
-
     directory = resolve_hf_dir(name)
     require_files(directory, (CONFIG_JSON,), tokenizer=True)
-    files = weight_files(directory)
+    weight_files(directory)  # before the tokenizer is read: what is missing comes first
     tokenizer = load_hf_tokenizer(str(directory))
     checkpoint = _open(str(directory), base, tokenizer)
     family, hf, model_cfg = checkpoint.family, checkpoint.hf, checkpoint.model_cfg
-    shapes = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="np") as f:
-                shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
-        except (SafetensorError, OSError) as err:
-            raise UsageError(f"{file}: not a readable safetensors file ({err})") from None
+    shapes, where = weight_shapes(directory)
     expected = expected_tensors(family, hf, model_cfg, abstract_model(model_cfg)[1])
     shapes = _cut_vocab(shapes, family, model_cfg.vocab_size)
-    where = files[0] if len(files) == 1 else directory
     check_tensor_shapes(shapes, expected, family, where)
     tokenizer.save(path)

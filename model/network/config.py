@@ -157,6 +157,16 @@ class ModelConfig:
         return self.moe_hidden or self.mlp_width
 
     @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of one MLP (or expert): gate + up + proj, or fc + proj."""
+        return 3 if self.mlp == "swiglu" else 2
+
+    @property
+    def expert_params(self) -> int:
+        """Weights of one MoE expert (its matrices; biases aside)."""
+        return self.mlp_matrices * self.expert_width * self.n_embd
+
+    @property
     def n_moe_layers(self) -> int:
         """How many blocks have an MoE MLP (every moe_every-th; none without experts)."""
         return sum(self.is_moe_layer(i) for i in range(self.n_layer))
@@ -191,12 +201,10 @@ class ModelConfig:
         807296
         """
         c = self.n_embd
-        mlp_widths = 3 if self.mlp == "swiglu" else 2  # gate + up + proj, or fc + proj
         n_moe = self.n_moe_layers
-        expert = mlp_widths * self.expert_width * c
         per_layer = 4 * c * self.attn_width + 8 * c  # attention, norms and biases
-        mlps = (self.n_layer - n_moe) * mlp_widths * self.mlp_width * c
-        mlps += n_moe * (self.moe_experts * expert + c * self.moe_experts)
+        mlps = (self.n_layer - n_moe) * self.mlp_matrices * self.mlp_width * c
+        mlps += n_moe * (self.moe_experts * self.expert_params + c * self.moe_experts)
         positions = self.block_size * c if self.position == "learned" else 0
         # value-embedding tables and their gates, U-net skip weights, multi-token heads
         value_embed = self.vocab_size * self.attn_width + c * self.n_head  # table + gate

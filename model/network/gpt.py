@@ -374,7 +374,5 @@ def flops_per_token(cfg: ModelConfig, n_params: int | None = None) -> float:
     n += cfg.mtp_tokens * cfg.vocab_size * cfg.n_embd
     # A token runs its top-k experts, not all of them: the model's FLOPs count those (as
     # MaxText's MFU does), whatever padding to capacity the layer computes besides.
-    widths = 3 if cfg.mlp == "swiglu" else 2  # gate + up + proj, or fc + proj
-    idle = max(cfg.moe_experts - cfg.moe_top_k, 0) * widths * cfg.expert_width * cfg.n_embd
-    n -= cfg.n_moe_layers * idle
+    n -= cfg.n_moe_layers * max(cfg.moe_experts - cfg.moe_top_k, 0) * cfg.expert_params
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size

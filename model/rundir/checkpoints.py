@@ -43,7 +43,7 @@ import numpy as np
 
 from model.processes.distributed import is_primary
 from model.rundir.checksums import tree_checksums
-from model.rundir.layout import CHECKPOINT_DIR, DAMAGED_DIR, checkpoint_steps
+from model.rundir.layout import CHECKPOINT_DIR, DAMAGED_DIR, checkpoint_steps, record_path
 from plumbing.errors import UsageError
 from plumbing.lazy import import_in_background
 
@@ -146,7 +146,7 @@ class Checkpoints:
 
     def read_meta(self, step: int) -> dict:
         """The JSON record of `step`; CheckpointDamaged if it is missing or unreadable."""
-        path = self.directory / str(step) / "meta" / "metadata"
+        path = record_path(self.directory, step)
         try:
             meta = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:

@@ -46,12 +46,16 @@ def read_saved_config(run_dir: Path) -> dict | None:
     return saved if isinstance(saved, dict) else None
 
 
+def record_path(checkpoint_dir: Path, step: int) -> Path:
+    """Where orbax keeps a checkpoint's JSON record (its config, step, checksums)."""
+    return Path(checkpoint_dir) / str(step) / "meta" / "metadata"
+
+
 def read_checkpoint_config(run_dir: Path) -> tuple[int, dict] | None:
-    """(step, config) saved with the newest checkpoint whose record reads (orbax keeps it as
-    JSON, checkpoints/STEP/meta/metadata), or None: where config.json is lost, the run's
-    config is still there."""
+    """(step, config) saved with the newest checkpoint whose record reads, or None: where
+    config.json is lost, the run's config is still there."""
     for step in sorted(checkpoint_steps(run_dir), reverse=True):
-        path = Path(run_dir) / CHECKPOINT_DIR / str(step) / "meta" / "metadata"
+        path = record_path(Path(run_dir) / CHECKPOINT_DIR, step)
         try:
             config = json.loads(path.read_text(encoding="utf-8")).get("config")
         except (OSError, ValueError, AttributeError):

@@ -172,11 +172,9 @@ def _settings(
             400,
             f"'{tokens_key}' is {max_tokens}, above this server's limit of {limits.max_tokens}",
         )
-    seed = body.get("seed")
+    seed = _integer(body, "seed", None, low=0)  # its upper bound: SamplingParams.checked
     if seed is None:
         seed = random.randrange(SEED_MAX)  # a fresh draw per request, as OpenAI's
-    elif isinstance(seed, float) and seed.is_integer():
-        seed = int(seed)  # 5.0 is 5, as for every integer field (_integer)
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0),
         top_k=_integer(body, "top_k", 0, low=0),
@@ -219,7 +217,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _integer(body: dict[str, Any], name: str, default: int, low: int) -> int:
+def _integer(body: dict[str, Any], name: str, default: int | None, low: int) -> int | None:
     value = body.get(name)
     if value is None:
         return default
