@@ -184,6 +184,7 @@ def test_inference_samples_gpt2_directly(hf, bpe, gpt2_dir, tmp_path, capsys):
         ("mistral", "model_type 'mistral' is not supported"),
         ("missing-tensor", "tensor transformer.h.1.mlp.c_fc.weight is missing"),
         ("wrong-shape", "has shape"),
+        ("integer-tensor", "c_fc.weight holds I32 values, not weights"),
         ("no-vocab", "tokenizer.json (or vocab.json) missing"),
     ],
 )
@@ -198,11 +199,15 @@ def test_a_directory_that_is_not_gpt2_is_one_line_and_exit_2(
         config["model_type"] = "mistral"
     elif breakage == "wrong-shape":
         config["n_embd"] = 64
-    elif breakage == "missing-tensor":
+    elif breakage in ("missing-tensor", "integer-tensor"):
         from safetensors.numpy import load_file, save_file
 
         tensors = load_file(bad / "model.safetensors")
-        del tensors["transformer.h.1.mlp.c_fc.weight"]
+        key = "transformer.h.1.mlp.c_fc.weight"
+        if breakage == "missing-tensor":
+            del tensors[key]
+        else:  # the right shape, but counts rather than weights: never silently cast
+            tensors[key] = np.round(tensors[key] * 100).astype(np.int32)
         save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     elif breakage == "no-vocab":
         (bad / "vocab.json").unlink()

@@ -184,16 +184,32 @@ def read_weights(directory: Path) -> tuple[dict[str, np.ndarray], Path]:
 def weight_shapes(directory: Path) -> tuple[dict[str, tuple[int, ...]], Path]:
     """Every tensor's shape, from the files' headers (no weights read), and the path that
     errors about them name."""
+
+    files = weight_files(directory)
+    shapes = {k: shape for path in files for k, (shape, _) in _headers(path).items()}
+    return shapes, _named(files, directory)
+
+
+def check_floating(directory: Path, family: Family) -> None:
+    """UsageError when one of the checkpoint's weights (buffers aside) is not floating point:
+    an integer or boolean tensor of the right shape is no weight, and is never cast to one."""
+    for path in weight_files(directory):
+        kinds = canonical(family, {k: kind for k, (_, kind) in _headers(path).items()})
+        for key, kind in kinds.items():
+            if not kind.startswith(("F", "BF")):  # "F32", "BF16", "F8_E4M3"; "I32", "BOOL"
+                raise UsageError(f"{path}: tensor {key} holds {kind} values, not weights")
+
+
+def _headers(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor's (shape, dtype name) in one .safetensors file, from its header."""
     from safetensors import SafetensorError, safe_open
 
-    files, shapes = weight_files(directory), {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="np") as f:
-                shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
-        except (SafetensorError, OSError) as err:
-            raise UsageError(f"{path}: not a readable safetensors file ({err})") from None
-    return shapes, _named(files, directory)
+    try:
+        with safe_open(str(path), framework="np") as f:
+            slices = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118
+            return {k: (tuple(v.get_shape()), v.get_dtype()) for k, v in slices.items()}
+    except (SafetensorError, OSError) as err:
+        raise UsageError(f"{path}: not a readable safetensors file ({err})") from None
 
 
 def _named(files: list[Path], directory: Path) -> Path:

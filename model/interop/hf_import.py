@@ -32,6 +32,7 @@ from model.interop.hf_format import (
     WEIGHTS,
     WEIGHTS_INDEX,
     canonical,
+    check_floating,
     check_tensor_shapes,
     expected_tensors,
     flat_shapes,
@@ -182,8 +183,9 @@ def load_hf_params(name: str, params_like: Any, base: ModelConfig | None = None)
 
 
 def _read_params(checkpoint: _Checkpoint, params_like: Any) -> Any:
-    tensors, where = read_weights(checkpoint.directory)
     family = checkpoint.family
+    check_floating(checkpoint.directory, family)
+    tensors, where = read_weights(checkpoint.directory)
     tensors = _cut_vocab(tensors, family, checkpoint.model_cfg.vocab_size)
     return params_from_hf(tensors, family, checkpoint.hf, checkpoint.model_cfg, params_like, where)
 
@@ -214,4 +216,5 @@ def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) ->
     expected = expected_tensors(family, hf, model_cfg, abstract_model(model_cfg)[1])
     shapes = _cut_vocab(shapes, family, model_cfg.vocab_size)
     check_tensor_shapes(shapes, expected, family, where)
+    check_floating(directory, family)
     tokenizer.save(path)
