@@ -367,6 +367,10 @@ def run_writing_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
     check_run_dir(run_dir, args.tokenize, args.train, args.resume)
     if primary_before_jax():
         remove_atomic_leftovers(run_dir)  # a killed writer's temp files (we hold the lock)
+    if args.tokenize and args.train:
+        from model.train_stage import check_memory_before_tokenizing
+
+        check_memory_before_tokenizing(cfg)  # a model too big: refused before the tokenizer
     if args.tokenize:
         from tokenizer.stage import run_tokenize
 

@@ -133,6 +133,15 @@ def run_train(
         checkpoints.close()
 
 
+def check_memory_before_tokenizing(cfg: Config) -> None:
+    """--tokenize --train: the training memory check, with the smallest vocabulary the
+    tokenizer can give (what training needs only grows with it), so that a model this machine
+    cannot hold is refused before the tokenizer is trained rather than after."""
+    configure_determinism(cfg.train.deterministic)  # XLA reads it when JAX starts its backend
+    smallest = cfg.model.for_vocab(cfg.tokenizer.smallest_vocab())
+    check_training_memory(smallest, cfg.train, note=False)  # the check after tokenizing notes
+
+
 def _run_tokenizer(cfg: Config, run_dir: Path, resume: bool) -> Tokenizer:
     """The run directory's tokenizer; fine-tuning a Hugging Face checkpoint first saves the
     checkpoint's there."""

@@ -356,14 +356,15 @@ def test_values_out_of_range(tmp_path, capsys, argv, fragment):
 
 def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, capsys, text_file):
     """block_size=100000: the attention probabilities alone need terabytes. One line before
-    anything is allocated: no token cache, no checkpoint."""
+    anything is allocated, and before the tokenizer is trained: no tokenizer, no token cache,
+    no checkpoint."""
     out = tmp_path / "run"
     code, lines = run_main(
         capsys, "--tokenize", "--train", *CHAR, "--input", text_file, "--out", out,
         "model.block_size=100000",
     )  # fmt: skip
     assert_one_line_error(code, lines, "needs at least", "lower model.block_size")
-    for name in ("tokens", "checkpoints", "config.json", "metrics.jsonl"):
+    for name in ("tokenizer.pkl", "tokens", "checkpoints", "config.json", "metrics.jsonl"):
         assert not (out / name).exists(), name
 
 

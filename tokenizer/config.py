@@ -50,6 +50,14 @@ class TokenizerConfig:
             checks.file_name("tokenizer.gpt2_files", name)
         return self
 
+    def smallest_vocab(self) -> int:
+        """The fewest tokens this tokenizer can have before it is trained: a BPE's bytes and
+        special tokens (a small text can stop its merges early), GPT-2's fixed vocabulary, or
+        one character for `char`."""
+        if self.kind == "gpt2":
+            return 50257
+        return (256 if self.kind == "bpe" else 1) + len(self.special_tokens)
+
 
 @dataclass
 class DataConfig:

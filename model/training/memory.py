@@ -64,8 +64,10 @@ def training_bytes(
     return int(state + attention + logits)
 
 
-def check_training_memory(model_cfg: ModelConfig, train_cfg) -> None:
-    """UsageError, one line, when training `model_cfg` with `train_cfg` cannot fit."""
+def check_training_memory(model_cfg: ModelConfig, train_cfg, note: bool = True) -> None:
+    """UsageError, one line, when training `model_cfg` with `train_cfg` cannot fit. `note`:
+    say so when it may not fit (a GPU's plan above its free memory); an early check leaves
+    that to the check that follows it."""
     import jax
 
     device, n = jax.local_devices()[0], jax.device_count()
@@ -85,10 +87,10 @@ def check_training_memory(model_cfg: ModelConfig, train_cfg) -> None:
             )
         if quick <= PLAN_SHARE * have:
             return
-    _check_plan(model_cfg, train_cfg, device, n, have)
+    _check_plan(model_cfg, train_cfg, device, n, have, note)
 
 
-def _check_plan(model_cfg: ModelConfig, train_cfg, device, n: int, have: int) -> None:
+def _check_plan(model_cfg: ModelConfig, train_cfg, device, n: int, have: int, note: bool) -> None:
     from model.accelerators.plan import surely_needed, training_plan_bytes
 
     per_device = training_plan_bytes(model_cfg, train_cfg, n)
@@ -104,7 +106,7 @@ def _check_plan(model_cfg: ModelConfig, train_cfg, device, n: int, have: int) ->
     sized = f"{human_bytes(need)} to train ({each + '; ' if each else ''}{parts}"
     floor = surely_needed(per_device, device.platform) * shares
     if floor <= have:  # under the plan's total (need > have): a GPU's share of activations
-        if is_primary():
+        if note and is_primary():
             print(
                 f"train: note: the plan says about {sized}; --plan shows the plan), more than "
                 f"the {human_bytes(have)} of {where}, but XLA keeps less than the plan's "
