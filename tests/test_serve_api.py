@@ -240,6 +240,21 @@ NEUTRAL = {
 }  # 1.0 is 1, as for max_tokens
 
 
+def test_a_prompt_over_the_context_is_refused_alike_as_text_and_as_ids(server, trained):
+    tokenizer, model = trained
+    block = model.cfg.block_size
+    text = "to be or not " * block
+    ids = tokenizer.encode(text)
+    assert len(ids) > block
+    for prompt in (text, ids):
+        response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert (
+            message == f"the prompt is {len(ids)} tokens; this server takes at most {block} tokens"
+        )
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_a_4xx_json_error_and_the_server_goes_on(server, case):
     path = "/v1/chat/completions" if "messages" in str(BAD[case])[:20] else "/v1/completions"

@@ -62,6 +62,7 @@ from flax import nnx
 
 from model.decoding.budget import check_memory
 from model.decoding.programs import DEFAULT_CHUNK_SIZE, DecodePrograms, jit_programs
+from model.decoding.prompts import check_prompt_length
 from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import PAD_ID, chunk_outputs, start_carry, window_size
 from model.network.gpt import GPT
@@ -120,11 +121,7 @@ def _checked_prompt(prompt_ids, vocab_size: int, block_size: int) -> np.ndarray:
         raise UsageError(f"prompt ids must be integers, got dtype {prompt.dtype}")
     if prompt.min() < 0 or prompt.max() >= vocab_size:
         raise UsageError(f"prompt ids must be in 0..{vocab_size - 1} (the model's vocabulary)")
-    if len(prompt) > block_size:
-        raise UsageError(
-            f"the prompt is {len(prompt)} tokens, longer than the model's context of "
-            f"{block_size} tokens: shorten it"
-        )
+    check_prompt_length(len(prompt), block_size)
     return prompt.astype(np.int32)
 
 

@@ -29,8 +29,10 @@ def check_text(prompt: str) -> None:
         ) from None
 
 
-def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
-    """Token ids of a prompt; an empty one is the end-of-text token when the tokenizer has it."""
+def encode_prompt(tokenizer, prompt: str, block_size: int | None) -> list[int]:
+    """Token ids of a prompt; an empty one is the end-of-text token when the tokenizer has it.
+    With `block_size`, a prompt longer than that context is refused (check_prompt_length);
+    None leaves the length to the caller's own limit (the server's)."""
     check_text(prompt)
     ids = tokenizer.encode(prompt)
     if not ids:
@@ -38,12 +40,18 @@ def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
         if eot is None:
             raise UsageError("the prompt is empty: give some text with --prompt")
         ids = [eot]
-    if len(ids) > block_size:
+    if block_size is not None:
+        check_prompt_length(len(ids), block_size)
+    return ids
+
+
+def check_prompt_length(tokens: int, block_size: int) -> None:
+    """UsageError when a prompt of `tokens` tokens is longer than the model's context."""
+    if tokens > block_size:
         raise UsageError(
-            f"the prompt is {len(ids)} tokens, longer than the model's context of {block_size} "
+            f"the prompt is {tokens} tokens, longer than the model's context of {block_size} "
             "tokens: shorten it"
         )
-    return ids
 
 
 def stop_token_of(tokenizer) -> int | None:

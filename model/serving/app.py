@@ -176,7 +176,7 @@ class Server:
             if len(prompt.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
                 raise ApiError(400, self._prompt_too_long())
             try:
-                ids = encode_prompt(self.tokenizer, prompt, self.block)
+                ids = encode_prompt(self.tokenizer, prompt, None)  # the length: below, as for ids
             except UsageError as err:
                 raise ApiError(400, f"the prompt cannot be used: {err}") from None
         if len(ids) > self.max_prompt:
