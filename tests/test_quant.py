@@ -144,6 +144,11 @@ def test_quantize_bad_input_is_one_line(tmp_path, capsys, corpus_file, trained_r
         "quantize",
         "--group-size must be positive",
     )
+    assert_one_line_error(
+        *run_quantize(capsys, "--run", trained_run, "--bits", 8, "--group-size", 16),
+        "quantize",
+        "--group-size goes with --bits 4",
+    )
     out = tmp_path / "q8"
     assert run_quantize(capsys, "--run", trained_run, "--bits", 8, "--out", out)[0] == 0
     before = (out / QUANT_FILE).read_bytes()

@@ -56,6 +56,16 @@ def test_error_is_at_most_half_a_step(bits, group_size, shape):
     np.testing.assert_allclose(again, np.asarray(dequantize(q)), rtol=1e-6, atol=0)
 
 
+def test_a_group_past_the_input_is_one_group_of_it_and_costs_no_padding():
+    """A group size of 10**12 (a typo, or a crafted file's meta) quantizes and dequantizes as
+    one group of the whole input, bit for bit, instead of padding each kernel out to it."""
+    w = np.random.default_rng(0).standard_normal((48, 5)).astype(np.float32)
+    whole, huge = quantize(w, 4, 48), quantize(w, 4, 10**12)
+    np.testing.assert_array_equal(huge.values, whole.values)
+    np.testing.assert_array_equal(huge.scales, whole.scales)
+    np.testing.assert_array_equal(dequantize(huge), dequantize(whole))
+
+
 def test_int8_is_per_output_channel_and_int4_per_input_group():
     w = np.ones((8, 3), np.float32) * np.array([1.0, 2.0, 4.0], np.float32)
     w[5, 0] = 10.0

@@ -36,6 +36,8 @@ def quantize_run(
     QAT run exports exactly the weights its forward pass saw."""
     if bits not in SUPPORTED_BITS:
         raise UsageError(f"unsupported bit width {bits}: use --bits 8 or 4")
+    if bits == 8 and group_size is not None:
+        raise UsageError("--group-size goes with --bits 4: int8 has one scale per output channel")
     run = open_trained_run(run_dir, float_only=True)
     run_dir = run.run_dir
     _, model, source = run.load()

@@ -80,7 +80,8 @@ def quantize(w_IxO, bits: int, group_size: int = 64) -> QuantizedKernel:
 def dequantize(q: QuantizedKernel, dtype=jnp.float32) -> jax.Array:
     """values * scale, broadcasting each scale over its group of rows -> [..., in, out]."""
     n_in = q.values.shape[-2]
-    scales_IxO = jnp.repeat(jnp.asarray(q.scales), q.group_size, axis=-2)[..., :n_in, :]
+    rows = min(q.group_size, n_in)  # a group past the input is one group of all of it
+    scales_IxO = jnp.repeat(jnp.asarray(q.scales), rows, axis=-2)[..., :n_in, :]
     return (jnp.asarray(q.values).astype(jnp.float32) * scales_IxO).astype(dtype)
 
 
@@ -98,10 +99,13 @@ def _quantize_grouped(w_IxO, bits: int, group_size: int) -> QuantizedKernel:
     top = qmax(bits)
     w = jnp.asarray(w_IxO, jnp.float32)
     *lead, n_in, n_out = w.shape
-    n_groups = math.ceil(n_in / group_size)
+    # A group past the input is one group of all of it: padding it out to the group would
+    # take memory in proportion to the group size, not the layer.
+    rows = min(group_size, n_in)
+    n_groups = math.ceil(n_in / rows)
     # Zero rows pad the last group; they change no absmax and are cut off again below.
-    pad = [(0, 0)] * len(lead) + [(0, n_groups * group_size - n_in), (0, 0)]
-    w_GxSxO = jnp.pad(w, pad).reshape(*lead, n_groups, group_size, n_out)
+    pad = [(0, 0)] * len(lead) + [(0, n_groups * rows - n_in), (0, 0)]
+    w_GxSxO = jnp.pad(w, pad).reshape(*lead, n_groups, rows, n_out)
     scales_GxO = jnp.max(jnp.abs(w_GxSxO), axis=-2) / top
     # An all-zero group gets scale 0; divide by 1 there (its values are 0 either way).
     safe_GxO = jnp.where(scales_GxO > 0, scales_GxO, 1.0)
