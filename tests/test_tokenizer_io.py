@@ -154,9 +154,10 @@ def _shift_id(payload: dict, new_id: int) -> dict:
         (lambda p: _shift_id(p, -1), r"token ids are not 0\.\.259"),
         (lambda p: {**p, "special_tokens": {EOT: 2**40}}, "special token id is outside"),
         (lambda p: {**p, "special_tokens": {EOT: -5}}, "special token id is outside"),
+        (lambda p: {**p, "special_tokens": {"": 257}}, "a special token is the empty string"),
     ],
     ids=["catastrophic-regex", "empty-match-regex", "id-1e12", "id-2e40", "id-negative",
-         "special-2e40", "special-negative"],
+         "special-2e40", "special-negative", "special-empty"],
 )  # fmt: skip
 def test_crafted_values_are_refused_in_one_line(tmp_path, change, message):
     path = tmp_path / "crafted.pkl"

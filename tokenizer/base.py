@@ -198,7 +198,7 @@ class Tokenizer:
 
 def check_token_ids(vocab: dict[int, bytes], special_tokens: dict[str, int]) -> None:
     """UsageError unless the ids are exactly 0..len(vocab)-1 (at most MAX_VOCAB_SIZE) and every
-    special token's id is one of them.
+    special token is a non-empty string whose id is one of them.
 
     Token arrays are sized and typed by the vocab size (uint16 up to 65,536 tokens), so an id
     outside that range, e.g. 10**12 or -1 in a crafted file, must never get that far.
@@ -209,6 +209,8 @@ def check_token_ids(vocab: dict[int, bytes], special_tokens: dict[str, int]) -> 
     if n and (min(vocab) != 0 or max(vocab) != n - 1):
         bad = min(vocab) if min(vocab) != 0 else max(vocab)
         raise UsageError(f"token ids must be 0..{n - 1} (the vocab size - 1), found id {bad}")
+    if "" in special_tokens:  # it would match between every two characters of every text
+        raise UsageError("a special token is the empty string")
     for text, idx in special_tokens.items():
         if not 0 <= idx < n:
             raise UsageError(f"special token {text!r} has id {idx}, outside 0..{n - 1}")

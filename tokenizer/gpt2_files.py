@@ -254,6 +254,10 @@ def read_tokenizer_json(
             raise UsageError(
                 f"{path}: merge {rank} ({str(pair)[:40]!r}) is not a pair of byte-level tokens"
             ) from None
+    if len(set(merges)) != len(merges):  # which rank it has differs between readers
+        seen: set = set()
+        rank = next(i for i, m in enumerate(merges) if m in seen or seen.add(m))
+        raise UsageError(f"{path}: merge {rank} ({pairs[rank]!r}) is listed twice")
     normalizer = _kind(document.get("normalizer"))  # checked: None or NFC
     return vocab, merges, added, pattern, normalizer
 
@@ -307,7 +311,7 @@ def _byte_level_pattern(document: dict, model: dict, path: str | os.PathLike) ->
             "pre_tokenizer ByteLevel adds a prefix space (GPT-2's does not)",
         ),
     ]
-    for key in ("continuing_subword_prefix", "end_of_word_suffix", "ignore_merges"):
+    for key in ("continuing_subword_prefix", "end_of_word_suffix", "ignore_merges", "dropout"):
         problems.append((bool(model.get(key)), f"model.{key}={model.get(key)!r} is not supported"))
     for bad, why in problems:
         if bad:
