@@ -351,6 +351,16 @@ METASPACE = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first
             lambda d: d | {"model": d["model"] | {"ignore_merges": True}},
             "model.ignore_merges=True is not supported",
         ),
+        (  # tokenizers would encode at random
+            None,
+            lambda d: d | {"model": d["model"] | {"dropout": 0.5}},
+            "model.dropout=0.5 is not supported",
+        ),
+        (  # which rank a repeated merge has differs between readers
+            None,
+            lambda d: d | {"model": d["model"] | {"merges": d["model"]["merges"] * 2}},
+            "is listed twice",
+        ),
     ],
     ids=[
         "rope-scaling-4",
@@ -364,6 +374,8 @@ METASPACE = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first
         "sp",
         "dec",
         "im",
+        "dropout",
+        "twice",
     ],
 )
 def test_what_tinyllm_cannot_run_is_refused_in_one_line(
@@ -375,6 +387,20 @@ def test_what_tinyllm_cannot_run_is_refused_in_one_line(
     code, _, err = run_cli(capsys, "--train", "--init-from", bad, "--out", tmp_path / "run")
     assert_one_line_error(code, err, "tinyllm", fragment)
     assert not (tmp_path / "run" / "tokenizer.pkl").exists()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"rope_scaling": {"rope_type": "default"}}, {"rope_scaling": {"type": "default"}}],
+    ids=["rope_type", "type"],
+)
+def test_rope_scaling_default_is_no_scaling(llama_dir, tmp_path, config):
+    """transformers 4 writes 'no scaling' as rope_scaling {"rope_type": "default"}: it loads,
+    the same model as without it."""
+    ids = jnp.asarray(np.arange(12, dtype=np.int32)[None] % 50)
+    _, plain = load_hf_model(str(llama_dir[0]))
+    _, model = load_hf_model(str(_broken(llama_dir, tmp_path, config)))
+    np.testing.assert_array_equal(forward(model, ids), forward(plain, ids))
 
 
 def test_fine_tune_a_llama_checkpoint_then_sample_the_run(hf, llama_dir, corpus, tmp_path, capsys):

@@ -42,12 +42,12 @@ def _rope_theta(hf: dict[str, Any], name: str) -> float:
     params = hf.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise UsageError(f"{name} config.json: rope_parameters {params!r} is not an object")
-    scaling = hf.get("rope_scaling")
-    kind = params.get("rope_type", params.get("type", "default")) if params else None
-    if scaling or kind not in (None, "default"):
-        chosen = scaling or params
-        kind = chosen.get("rope_type", chosen.get("type")) if isinstance(chosen, dict) else chosen
-        raise UsageError(f"{name} config.json: rope scaling {kind!r} is not supported")
+    for section in (hf.get("rope_scaling"), params):  # transformers 4's, 5's
+        kind = (
+            section.get("rope_type", section.get("type")) if isinstance(section, dict) else section
+        )
+        if section and kind not in (None, "default"):  # "default": no scaling
+            raise UsageError(f"{name} config.json: rope scaling {kind!r} is not supported")
 
     def read(key: str, default: float) -> float:  # rope_parameters' (5), else top level (4)
         return number(params if params.get(key) is not None else hf, key, name, default)
