@@ -70,6 +70,22 @@ def test_tokenize_bad_input(tmp_path, capsys, content, extra, fragments):
     assert not (out / "tokenizer.pkl").exists()
 
 
+def test_a_vocab_the_text_cannot_fill_is_said(tmp_path, capsys):
+    path = tmp_path / "input.txt"
+    path.write_text("abab abab\n")
+    code, lines = run_main(capsys, "--tokenize", "--input", path, "--out", tmp_path / "run",
+                           "--vocab-size", "1000")  # fmt: skip
+    assert code == 0
+    from tokenizer import load_tokenizer
+
+    size = load_tokenizer(tmp_path / "run" / "tokenizer.pkl").vocab_size
+    assert size < 1000
+    note = (
+        f"tokenize: note: 1000 tokens were asked for; the text has no pair left to merge at {size}"
+    )
+    assert note in lines
+
+
 def test_failed_tokenize_keeps_the_existing_tokenizer(tmp_path, capsys, text_file):
     out = tmp_path / "run"
     assert (

@@ -120,7 +120,9 @@ class BPETokenizer(Tokenizer):
         source = compile_pattern(pattern).pattern
         counts = count_chunks(corpus, source, specials, progress=progress)
         if not counts:
-            raise UsageError("the corpus is empty: no text to train the tokenizer on")
+            raise UsageError(
+                "the corpus is empty (or only special tokens): no text to train the tokenizer on"
+            )
         merges = train_merges(counts, vocab_size - minimum, progress=progress)
         vocab = {b: _SINGLE_BYTES[b] for b in range(256)}
         for k, (a, b) in enumerate(merges):

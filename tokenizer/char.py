@@ -75,7 +75,10 @@ class CharTokenizer(Tokenizer):
                 if i % 2 == 0:
                     seen.update(segment)
         if not seen:
-            raise UsageError("the corpus is empty: no characters to build a vocabulary from")
+            raise UsageError(
+                "the corpus is empty (or only special tokens): no characters to build a "
+                "vocabulary from"
+            )
         chars = sorted(seen)
         return cls(chars, {s: len(chars) + k for k, s in enumerate(specials)})
 

@@ -81,6 +81,12 @@ def run_tokenize(cfg: TokenizeSettings, run_dir: Path) -> dict:
         f"{seconds:.1f} s -> {path}",
         file=sys.stderr,
     )
+    if cfg.tokenizer.kind == "bpe" and tokenizer.vocab_size < cfg.tokenizer.vocab_size:
+        print(
+            f"tokenize: note: {cfg.tokenizer.vocab_size} tokens were asked for; the text has "
+            f"no pair left to merge at {tokenizer.vocab_size}",
+            file=sys.stderr,
+        )
     return summary
 
 
