@@ -255,6 +255,34 @@ def test_damaged_latest_checkpoint_falls_back_to_the_intact_one(
     assert_replays(run_copy, trained)
 
 
+def test_a_reader_racing_the_writers_rotation_reads_the_newer_step(run_copy, capsys, monkeypatch):
+    """--inference while training saves: the step it chose is deleted under it (the writer
+    keeps two) as the next one lands. That is no damage: it reads the newer step, silently,
+    where it said "no intact checkpoint ... train a new run"."""
+    steps = run_copy / "checkpoints"
+    argv = ["--inference", "--out", str(run_copy), "--prompt", "to", "--max-new-tokens", "4"]
+    argv += ["--temperature", "0"]
+    assert tinyllm.main(argv) == 0
+    greedy = capsys.readouterr().out  # step 8's, which step 12 copies
+    real = Checkpoints.restore
+
+    def restore_as_the_writer_rotates(self, step, *args, **kwargs):
+        if step == 8 and not (steps / "12").exists():  # the writer's next save, then rotation
+            shutil.copytree(steps / "8", steps / "12")
+            (steps / ".deleting").mkdir(exist_ok=True)
+            for old in ("4", "8"):
+                (steps / old).rename(steps / ".deleting" / old)
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoints, "restore", restore_as_the_writer_rotates)
+    code = tinyllm.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "warning" not in err and "error" not in err, err
+    assert (steps / "12").is_dir() and not (steps / "8").exists()
+    assert out == greedy
+
+
 def assert_readable(line: str) -> None:
     """One sentence of ours: none of the libraries' reprs or internals."""
     for leak in ("TensorStore", "slice(", "<bound", "Error:", "index:", "pybind", "{", "'"):

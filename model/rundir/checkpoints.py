@@ -205,14 +205,22 @@ class Checkpoints:
         again). UsageError if none is intact; then nothing is moved.
         """
         damaged: list[tuple[int, str]] = []
-        for step in self.steps():
+        tried: set[int] = set()
+        while (step := self._newest_untried(tried)) is not None:
+            tried.add(step)
             try:
                 result = load(step)
             except CheckpointDamaged as err:
-                damaged.append((step, str(err)))
                 _LOG.debug(
                     "checkpoint step %d in %s: %s (%s)", step, self.directory, err, err.detail
                 )
+                if not (self.directory / str(step)).is_dir():
+                    # Not damage: a training run deleted it (it keeps max_to_keep) while this
+                    # reader read it. The steps are listed again: its newer one is there.
+                    if self._made():
+                        self._manager.reload()
+                    continue
+                damaged.append((step, str(err)))
                 continue
             for bad, why in damaged:
                 where = None
@@ -231,6 +239,10 @@ class Checkpoints:
                 "(pick another --out)"
             )
         raise UsageError(f"no checkpoint in {self.run_dir}: train first")
+
+    def _newest_untried(self, tried: set[int]) -> int | None:
+        """The newest committed step not in `tried` (steps a writer saved since count too)."""
+        return next((step for step in self.steps() if step not in tried), None)
 
     def _quarantine(self, step: int) -> Path | None:
         """Move a damaged step out of checkpoints/ (kept for inspection, never deleted)."""
