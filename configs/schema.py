@@ -70,11 +70,15 @@ CONFIG_DIR = Path(__file__).resolve().parent
 
 
 def resolve_config_path(name: str | None) -> Path:
-    """A path as given, or a bare name looked up in configs/ (`shakespeare` -> configs/...)."""
+    """A path as given, or a bare name looked up in configs/ (`shakespeare` -> configs/...).
+    A relative path that is not there but is in the clone (`configs/shakespeare.toml` typed in
+    another directory, as the docs write it) is the clone's."""
     name = name or DEFAULT_CONFIG
     path = Path(name)
     if path.suffix != ".toml" and not path.exists():
         path = CONFIG_DIR / f"{name}.toml"
+    elif not path.exists() and not path.is_absolute() and (CONFIG_DIR.parent / path).is_file():
+        path = CONFIG_DIR.parent / path
     return path
 
 

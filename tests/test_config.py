@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import config_from_dict, load_config, parse_override
+from configs.schema import config_from_dict, load_config, parse_override, resolve_config_path
 from plumbing.errors import UsageError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -74,6 +74,19 @@ def test_bad_values_are_one_line_errors(override, message):
 def test_missing_config_file(tmp_path):
     with pytest.raises(UsageError, match="config file not found"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_a_clone_relative_config_path_works_from_any_directory(tmp_path, monkeypatch):
+    """`--config configs/shakespeare.toml`, as the docs write it, typed outside the clone is
+    the clone's file; a file of that path in the working directory comes first."""
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config_path("configs/shakespeare.toml") == CONFIGS / "shakespeare.toml"
+    assert load_config(resolve_config_path("configs/shakespeare.toml")).name == "shakespeare"
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "shakespeare.toml").write_text('name = "mine"\n')
+    assert resolve_config_path("configs/shakespeare.toml") == Path("configs/shakespeare.toml")
+    with pytest.raises(UsageError, match="config file not found"):
+        load_config(resolve_config_path("configs/nope.toml"))
 
 
 def test_invalid_toml(tmp_path):
