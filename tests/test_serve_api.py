@@ -212,6 +212,7 @@ BAD = {
     "frequency_penalty": {"prompt": "hi", "frequency_penalty": 0.5},
     "presence_penalty": {"prompt": "hi", "presence_penalty": -1},
     "best_of 2": {"prompt": "hi", "best_of": 2},
+    "suffix": {"prompt": "hi", "suffix": "x"},
     "temperature past a float": {"prompt": "hi", "temperature": 10**400},
     "top_p past a float": {"messages": [{"role": "user", "content": "hi"}], "top_p": -(10**400)},
     "temperature past float32": {"prompt": "hi", "temperature": 1e39},
@@ -265,10 +266,11 @@ def test_bad_input_is_a_4xx_json_error_and_the_server_goes_on(server, case):
     message = response.json()["error"]["message"]
     assert message and "Traceback" not in message
     names = ("logit_bias", "frequency_penalty", "presence_penalty", "top_k", "seed", "top_p",
-             "temperature", "stop", "response_format", "stream_options")  # fmt: skip
+             "temperature", "stop", "response_format", "stream_options", "suffix")  # fmt: skip
     for name in names:
         if name in case:
             assert name in message  # the refusal names the field
+    assert not message.endswith(("be ", "be")), message  # and, where it says one, the value
     ok = post(server, "/v1/completions", {"prompt": "to", "max_tokens": 2, **NEUTRAL})
     assert ok.status_code == 200, ok.text
     assert httpx.get(server.url + "/health").json()["status"] == "ok"

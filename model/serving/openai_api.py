@@ -41,7 +41,7 @@ CHAT_STOP = ["\nUser:", "\nSystem:"]
 ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "developer": "System"}
 # Fields accepted only at their neutral value (or absent): anything else changes the answer.
 _NEUTRAL = {
-    "suffix": ("", lambda v: v == ""),
+    "suffix": ('"" (empty)', lambda v: v == ""),
     "tools": ("[]", lambda v: v == []),
     "functions": ("[]", lambda v: v == []),
     "logit_bias": ("{}", lambda v: v == {}),

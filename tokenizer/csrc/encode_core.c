@@ -9,7 +9,7 @@
  *   - chunk counting for training: tokenizer/pretokenize.py count_chunks_in_text.
  *
  * Character classes (\p{L}, \p{N}, \s and the case-insensitive contraction letters) are not
- * compiled in: tokenizer/compiled.py builds a table of all code points with the installed
+ * compiled in: tokenizer/c_core.py builds a table of all code points with the installed
  * `regex` module and hands it to set_tables(), so this file agrees with whatever Unicode
  * version `regex` has. Work runs with the GIL released; each Encoder / ChunkCounter is used by
  * one thread at a time (a second concurrent call raises RuntimeError instead of racing).
@@ -987,7 +987,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_encode_core",
-    "Compiled pre-tokenization, BPE and chunk counting (see tokenizer/compiled.py).", -1,
+    "Compiled pre-tokenization, BPE and chunk counting (see tokenizer/c_core.py).", -1,
     module_methods,
 };
 
