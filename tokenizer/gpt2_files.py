@@ -244,6 +244,7 @@ def read_tokenizer_json(
                 ) from None
             vocab[idx] = text.encode("utf-8")
     merges: Merges = []
+    seen: set[tuple[bytes, bytes]] = set()
     for rank, pair in enumerate(pairs):
         parts = pair.split(" ") if isinstance(pair, str) else pair
         try:
@@ -254,10 +255,9 @@ def read_tokenizer_json(
             raise UsageError(
                 f"{path}: merge {rank} ({str(pair)[:40]!r}) is not a pair of byte-level tokens"
             ) from None
-    if len(set(merges)) != len(merges):  # which rank it has differs between readers
-        seen: set = set()
-        rank = next(i for i, m in enumerate(merges) if m in seen or seen.add(m))
-        raise UsageError(f"{path}: merge {rank} ({pairs[rank]!r}) is listed twice")
+        if merges[-1] in seen:  # which rank it has differs between readers
+            raise UsageError(f"{path}: merge {rank} ({pair!r}) is listed twice")
+        seen.add(merges[-1])
     normalizer = _kind(document.get("normalizer"))  # checked: None or NFC
     return vocab, merges, added, pattern, normalizer
 

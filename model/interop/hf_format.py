@@ -181,23 +181,24 @@ def read_weights(directory: Path) -> tuple[dict[str, np.ndarray], Path]:
     return tensors, _named(files, directory)
 
 
-def weight_shapes(directory: Path) -> tuple[dict[str, tuple[int, ...]], Path]:
-    """Every tensor's shape, from the files' headers (no weights read), and the path that
-    errors about them name."""
-
+def weight_headers(directory: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], Path]:
+    """Every tensor's (shape, dtype name), from the files' headers (no weights read), and the
+    path that errors about them name."""
     files = weight_files(directory)
-    shapes = {k: shape for path in files for k, (shape, _) in _headers(path).items()}
-    return shapes, _named(files, directory)
+    headers = {k: v for path in files for k, v in _headers(path).items()}
+    return headers, _named(files, directory)
 
 
-def check_floating(directory: Path, family: Family) -> None:
-    """UsageError when one of the checkpoint's weights (buffers aside) is not floating point:
-    an integer or boolean tensor of the right shape is no weight, and is never cast to one."""
-    for path in weight_files(directory):
-        kinds = canonical(family, {k: kind for k, (_, kind) in _headers(path).items()})
-        for key, kind in kinds.items():
-            if not kind.startswith(("F", "BF")):  # "F32", "BF16", "F8_E4M3"; "I32", "BOOL"
-                raise UsageError(f"{path}: tensor {key} holds {kind} values, not weights")
+def check_floating(
+    headers: dict[str, tuple[tuple[int, ...], str]], family: Family, where: Path
+) -> None:
+    """UsageError when one of the checkpoint's weights (buffers aside; `headers` from
+    weight_headers) is not floating point: an integer or boolean tensor of the right shape is
+    no weight, and is never cast to one."""
+    kinds = canonical(family, {k: kind for k, (_, kind) in headers.items()})
+    for key, kind in kinds.items():
+        if not kind.startswith(("F", "BF")):  # "F32", "BF16", "F8_E4M3"; "I32", "BOOL"
+            raise UsageError(f"{where}: tensor {key} holds {kind} values, not weights")
 
 
 def _headers(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:

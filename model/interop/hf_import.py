@@ -44,7 +44,7 @@ from model.interop.hf_format import (
     tokenizer_files,
     vocab_tensors,
     weight_files,
-    weight_shapes,
+    weight_headers,
 )
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
@@ -184,8 +184,9 @@ def load_hf_params(name: str, params_like: Any, base: ModelConfig | None = None)
 
 def _read_params(checkpoint: _Checkpoint, params_like: Any) -> Any:
     family = checkpoint.family
-    check_floating(checkpoint.directory, family)
-    tensors, where = read_weights(checkpoint.directory)
+    headers, where = weight_headers(checkpoint.directory)
+    check_floating(headers, family, where)
+    tensors, _ = read_weights(checkpoint.directory)
     tensors = _cut_vocab(tensors, family, checkpoint.model_cfg.vocab_size)
     return params_from_hf(tensors, family, checkpoint.hf, checkpoint.model_cfg, params_like, where)
 
@@ -212,9 +213,10 @@ def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) ->
     tokenizer = load_hf_tokenizer(str(directory))
     checkpoint = _open(str(directory), base, tokenizer)
     family, hf, model_cfg = checkpoint.family, checkpoint.hf, checkpoint.model_cfg
-    shapes, where = weight_shapes(directory)
+    headers, where = weight_headers(directory)
+    shapes = {k: shape for k, (shape, _) in headers.items()}
     expected = expected_tensors(family, hf, model_cfg, abstract_model(model_cfg)[1])
     shapes = _cut_vocab(shapes, family, model_cfg.vocab_size)
     check_tensor_shapes(shapes, expected, family, where)
-    check_floating(directory, family)
+    check_floating(headers, family, where)
     tokenizer.save(path)

@@ -80,7 +80,7 @@ def quantize(w_IxO, bits: int, group_size: int = 64) -> QuantizedKernel:
 def dequantize(q: QuantizedKernel, dtype=jnp.float32) -> jax.Array:
     """values * scale, broadcasting each scale over its group of rows -> [..., in, out]."""
     n_in = q.values.shape[-2]
-    rows = min(q.group_size, n_in)  # a group past the input is one group of all of it
+    rows = _group_rows(q.group_size, n_in)
     scales_IxO = jnp.repeat(jnp.asarray(q.scales), rows, axis=-2)[..., :n_in, :]
     return (jnp.asarray(q.values).astype(jnp.float32) * scales_IxO).astype(dtype)
 
@@ -95,13 +95,17 @@ def fake_quant(w_IxO: jax.Array, bits: int, group_size: int = 64) -> jax.Array:
     return w_IxO + jax.lax.stop_gradient(w_hat - w_IxO)
 
 
+def _group_rows(group_size: int, n_in: int) -> int:
+    """Rows a scale group spans: a group past the input is one group of all of it (padding
+    the input out to the group would take memory in proportion to the group, not the layer)."""
+    return min(group_size, n_in)
+
+
 def _quantize_grouped(w_IxO, bits: int, group_size: int) -> QuantizedKernel:
     top = qmax(bits)
     w = jnp.asarray(w_IxO, jnp.float32)
     *lead, n_in, n_out = w.shape
-    # A group past the input is one group of all of it: padding it out to the group would
-    # take memory in proportion to the group size, not the layer.
-    rows = min(group_size, n_in)
+    rows = _group_rows(group_size, n_in)
     n_groups = math.ceil(n_in / rows)
     # Zero rows pad the last group; they change no absmax and are cut off again below.
     pad = [(0, 0)] * len(lead) + [(0, n_groups * rows - n_in), (0, 0)]
