@@ -110,6 +110,7 @@ def load_config(
         raw = read_toml(Path(path))
         raw.setdefault("name", Path(path).stem)
     pairs = [parse_override(item) if isinstance(item, str) else item for item in overrides]
+    refuse_derived(raw if saved is None else {}, [key for key, _ in pairs])
     for key, value in pairs:  # before any override is applied: only the file's values drop
         other = ALTERNATIVES.get(key)
         dropped = _pop_dotted(raw, other) if other and value else None
@@ -118,6 +119,19 @@ def load_config(
     for key, value in pairs:
         _set_dotted(raw, key, value)
     return config_from_dict(raw).validate()
+
+
+# Keys a run fills in itself: a value given for one would be silently replaced.
+DERIVED = {"model.vocab_size": "comes from the tokenizer: set tokenizer.vocab_size (--vocab-size)"}
+
+
+def refuse_derived(raw: dict[str, Any], override_keys: Sequence[str]) -> None:
+    """Refuse a DERIVED key set in a config file's `raw` values or among the overrides."""
+    for key, why in DERIVED.items():
+        section, _, name = key.partition(".")
+        in_file = isinstance(raw.get(section), dict) and name in raw[section]
+        if in_file or key in override_keys:
+            raise UsageError(f"{key} cannot be set: it {why}")
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

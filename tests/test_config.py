@@ -89,6 +89,17 @@ def test_a_clone_relative_config_path_works_from_any_directory(tmp_path, monkeyp
         load_config(resolve_config_path("configs/nope.toml"))
 
 
+def test_a_config_file_setting_the_derived_vocabulary_is_refused(tmp_path):
+    # it would be replaced by the tokenizer's size without a word
+    path = tmp_path / "mine.toml"
+    path.write_text("[model]\nvocab_size = 5000\n")
+    with pytest.raises(UsageError, match="set tokenizer.vocab_size"):
+        load_config(path)
+    saved = load_config(None).to_dict()
+    saved["model"]["vocab_size"] = 64  # a run's saved config holds its tokenizer's size
+    assert load_config(None, saved=saved).model.vocab_size == 64
+
+
 def test_invalid_toml(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\nn_layer = 2")
@@ -142,6 +153,9 @@ def test_round_trip_through_dict():
         ("model.n_embd=1048576", "parameters, above the limit"),
         ("serve.stream_interval_s=-0.5", "serve.stream_interval_s must be >= 0"),
         ("serve.stream_interval_s=inf", "serve.stream_interval_s must be a finite number"),
+        ("train.muon_ns_steps=1000000", "train.muon_ns_steps must be at most 50"),
+        ("model.vocab_size=5", "model.vocab_size cannot be set: it comes from the tokenizer"),
+        ("model.vocab_size=-3", "model.vocab_size cannot be set"),
     ],
 )
 def test_every_value_has_a_range(override, message):

@@ -17,6 +17,7 @@ from plumbing import checks
 from plumbing.errors import UsageError
 
 OPTIMIZERS = ("adamw", "muon")
+MAX_NS_STEPS = 50  # Newton-Schulz iterations per Muon update; 5 is the usual count
 SCHEDULES = ("cosine", "wsd")
 
 
@@ -35,7 +36,7 @@ class TrainConfig:
     # embeddings, output layer, norms and biases (model/training/optim.py).
     optimizer: str = "adamw"
     muon_learning_rate: float = 0.02  # peak rate of Muon's matrices (train.optimizer = "muon")
-    muon_ns_steps: int = 5  # iterations that orthogonalise each Muon update
+    muon_ns_steps: int = 5  # iterations that orthogonalise each Muon update (at most 50)
     # "newton_schulz" (one quintic, Keller Jordan's) | "polar_express" (one per iteration,
     # for 5 iterations; Amsel et al. 2025): model/training/muon.py.
     muon_orthogonalizer: str = "newton_schulz"
@@ -170,6 +171,8 @@ class TrainConfig:
         checks.positive("train.steps_per_call", self.steps_per_call)
         checks.positive("train.quant_group_size", self.quant_group_size)
         checks.positive("train.muon_ns_steps", self.muon_ns_steps)
+        # Each iteration is unrolled into the step program: a huge count would compile forever.
+        checks.at_most("train.muon_ns_steps", self.muon_ns_steps, MAX_NS_STEPS)
         for key in ("warmup_steps", "lr_decay_steps", "weight_decay", "grad_clip"):
             checks.non_negative(f"train.{key}", getattr(self, key))
         checks.non_negative("train.checkpoint_interval", self.checkpoint_interval)
