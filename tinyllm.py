@@ -25,9 +25,11 @@ import time
 STARTED = time.perf_counter()
 
 from plumbing.quick_exit import exiting_with, skip_teardown
+from plumbing.signals import end_while_importing
 
 if __name__ == "__main__":
     skip_teardown()  # before any library registers an exit handler: this one must run last
+    end_while_importing()  # Ctrl-C during the imports: one line, not an import traceback
 
 import argparse
 import contextlib
@@ -176,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     # Imported late so that --help and flag errors answer at once, without loading JAX.
     from model.training.errors import TrainingDiverged
     from plumbing.collector import start_up
-    from plumbing.signals import Stopped, raise_on_sigterm
+    from plumbing.signals import Stopped, unwind_on_signals
 
-    raise_on_sigterm()  # SIGTERM unwinds like Ctrl-C: temp files are removed on the way out
+    unwind_on_signals()  # Ctrl-C and SIGTERM unwind: temp files are removed on the way out
     show_debug_log(args.debug)
     if not args.debug:
         quiet_background_errors()

@@ -5,7 +5,8 @@ SIGTERM. The training loop asks `StopRequests.requested` between steps, saves a 
 and raises `Stopped`, which the CLI turns into one line and exit code 128 + the signal
 (130 for SIGINT, 143 for SIGTERM). A second signal stops at once (raises `Stopped`), except
 inside `critical()`, where checkpoint files are being written: there it is only noted, so
-no save or deletion is cut in half.
+no save or deletion is cut in half. Outside the loop the CLI's `unwind_on_signals` makes both
+unwind as exceptions; while its modules import, `end_while_importing` ends it at once.
 
     >>> with StopRequests() as stop:
     ...     stop.requested is None
@@ -14,11 +15,16 @@ no save or deletion is cut in half.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from contextlib import contextmanager
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+# Signals raised as exceptions outside the training loop. The interpreter swallows an exception
+# raised while a garbage-collection callback runs (JAX has one), so StopRequests also looks here.
+_raised: list[int] = []
 
 
 class Stopped(KeyboardInterrupt):
@@ -43,6 +49,8 @@ class StopRequests:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequests:
+        if _raised:  # a signal that was raised before the loop began and got lost on the way
+            self.requested = _raised[0]
         if threading.current_thread() is threading.main_thread():
             for signum in HANDLED:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -70,13 +78,33 @@ class StopRequests:
             self._critical -= 1
 
 
-def raise_on_sigterm() -> None:
-    """Outside the training loop, SIGTERM unwinds like Ctrl-C (`finally` blocks remove temp
-    files) instead of killing the process where it stands."""
+def end_while_importing() -> None:
+    """Until `unwind_on_signals`: Ctrl-C ends the process at once with one line and code 130.
+    While the entry script imports its modules nothing is written yet, and Python's own
+    KeyboardInterrupt would print an import traceback."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return  # SIGINT ignored (a background job): keep it so
+
+    def end(signum, frame):
+        os.write(2, b"\ntinyllm: interrupted\n")
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, end)
+
+
+def unwind_on_signals() -> None:
+    """Outside the training loop, Ctrl-C and SIGTERM unwind (`finally` blocks remove temp
+    files) instead of killing the process where it stands; each is remembered too (_raised)."""
     if threading.current_thread() is not threading.main_thread():
         return
+    _raised.clear()
 
     def handle(signum, frame):
+        _raised.append(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise Stopped(signum, "interrupted by SIGTERM")
 
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, handle)
     signal.signal(signal.SIGTERM, handle)

@@ -93,7 +93,7 @@ def test_a_config_file_setting_the_derived_vocabulary_is_refused(tmp_path):
     # it would be replaced by the tokenizer's size without a word
     path = tmp_path / "mine.toml"
     path.write_text("[model]\nvocab_size = 5000\n")
-    with pytest.raises(UsageError, match="set tokenizer.vocab_size"):
+    with pytest.raises(UsageError, match=r"set tokenizer\.vocab_size"):
         load_config(path)
     saved = load_config(None).to_dict()
     saved["model"]["vocab_size"] = 64  # a run's saved config holds its tokenizer's size

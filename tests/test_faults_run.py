@@ -5,6 +5,7 @@ correct run), never a traceback, and never trains on or samples from damaged dat
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import tinyllm
 from model.rundir.checkpoints import Checkpoints
 from model.rundir.layout import DAMAGED_DIR
 from model.training.metrics import read_metrics
+from plumbing.signals import StopRequests, unwind_on_signals
 from tests.tiny_runs import TINY_TRAIN, write_word_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,6 +155,45 @@ def test_sigterm_outside_training_unwinds_and_leaves_no_temp_files(tmp_path, cor
     assert err.strip().splitlines()[-1].startswith("tinyllm: interrupted by SIGTERM")
     assert not list((run_dir / "tokens").glob("*.tmp*"))
     assert not list(run_dir.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("delay_s", [0.03, 0.06, 0.1, 0.2])
+def test_ctrl_c_while_the_entry_script_imports_is_one_line(tmp_path, corpus, delay_s):
+    """Early Ctrl-C (Python's own KeyboardInterrupt printed an import traceback)."""
+    proc = subprocess.Popen(
+        [sys.executable, ROOT / "tinyllm.py", "--tokenize", "--train",
+         *cli_args(corpus, tmp_path / "run")],
+        stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("tinyllm: interrupted"), err
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the point
+def test_a_ctrl_c_swallowed_in_a_gc_callback_still_stops_training():
+    """The interpreter drops an exception raised in a gc callback (JAX has one): the signal
+    is remembered and the training loop's StopRequests starts with it requested."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    unwind_on_signals()
+
+    def interrupt_inside(phase, info):
+        if phase == "start":
+            gc.callbacks.remove(interrupt_inside)
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))  # Python code: the handler runs here, inside the callback
+
+    try:
+        gc.callbacks.append(interrupt_inside)
+        gc.collect()  # the KeyboardInterrupt is reported as "ignored" and goes no further
+        with StopRequests() as stop:
+            assert stop.requested == signal.SIGINT
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # -- one writer ---------------------------------------------------------------------------

@@ -225,7 +225,8 @@ class ModelConfig:
         if self.approx_params() > MAX_PARAMS:
             raise UsageError(
                 f"the model would have about {self.approx_params():.3g} parameters, above the "
-                f"limit of {MAX_PARAMS:.0e}: lower model.n_layer, model.n_embd or tokenizer.vocab_size"
+                f"limit of {MAX_PARAMS:.0e}: lower model.n_layer, model.n_embd or "
+                "tokenizer.vocab_size"
             )
         return self
 
