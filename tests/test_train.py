@@ -45,14 +45,17 @@ def train_losses(run_dir):
 
 
 @pytest.mark.parametrize("recipe", [[], RECIPE], ids=["gpt2-recipe", "modern-recipe"])
-def test_resume_replays_the_uninterrupted_run(tmp_path, corpus_file, recipe):
+def test_resume_replays_the_uninterrupted_run(tmp_path, corpus_file, recipe, capsys):
     cfg, straight = tokenized_run(tmp_path / "a", corpus_file, "train.max_steps=8", *recipe)
     run_train(cfg, straight)
+    assert "train: done, 8 steps in" in capsys.readouterr().err
 
     half_cfg, resumed = tokenized_run(tmp_path / "b", corpus_file, "train.max_steps=4", *recipe)
     run_train(half_cfg, resumed)
     assert Checkpoints(resumed).latest_step() == 4
+    capsys.readouterr()
     run_train(tiny_config(corpus_file, "train.max_steps=8", *recipe), resumed, resume=True)
+    assert "train: done, steps 5-8 in" in capsys.readouterr().err  # this call's, not 8
 
     a, b = train_losses(straight), train_losses(resumed)
     assert sorted(a) == sorted(b) == list(range(1, 9))
@@ -77,6 +80,19 @@ def test_outputs_and_metrics_fields(tmp_path, corpus_file, monkeypatch, capsys):
     assert {"step", "train_loss", "tokens_per_sec", "elapsed_s"} <= set(first)
     evals = [r for r in read_metrics(run_dir) if "val_loss" in r]
     assert evals[-1]["step"] == 4 and "val_bpb" in evals[-1]
+
+
+def test_tokens_per_sec_leaves_out_compiling_and_saving(tmp_path, corpus_file):
+    # The first logged window held the first step's compile: its figure was a fraction of
+    # the others. A checkpoint inside a window slowed that window's figure too.
+    cfg, run_dir = tokenized_run(
+        tmp_path, corpus_file, "train.max_steps=12", "train.log_interval=4",
+        "train.eval_interval=12", "train.checkpoint_interval=2",
+    )  # fmt: skip
+    run_train(cfg, run_dir)
+    rates = [r["tokens_per_sec"] for r in read_metrics(run_dir) if "tokens_per_sec" in r]
+    assert len(rates) == 3
+    assert rates[1] < 3 * rates[0], rates  # before: about 7x
 
 
 def test_train_step_compiles_once(tmp_path, corpus_file):

@@ -148,12 +148,15 @@ class TrainingLoop:
             else:
                 x, y = trainer.batch(self.splits.train, s.step)
                 self.train_state, metrics = trainer.train_step(self.train_state, x, y)
-            if "first step" not in s.spent:  # jit compiles before it dispatches: wait for it
+            first = "first step" not in s.spent
+            if first:  # jit compiles before it dispatches: wait for it
                 jax.block_until_ready(metrics)
                 s.timed("first step", since)
                 s.first_call_steps = n
             s.step += n
             s.trained += n
+            if first and s.step % t.log_interval and s.step != t.max_steps:
+                s.rate_since = (time.perf_counter(), s.step)  # compiling is not throughput
             self._flush()  # the previous log step's metrics: ready by now, this hardly waits
             if s.step % t.log_interval == 0 or s.step == t.max_steps:
                 s.pending = (s.step, metrics)
@@ -167,6 +170,8 @@ class TrainingLoop:
                 since = time.perf_counter()
                 self._save(stop)
                 s.timed("checkpoints", since)
+                # nor is saving: the tokens/s clock stands still while it runs
+                s.rate_since = (s.rate_since[0] + time.perf_counter() - since, s.rate_since[1])
         return False
 
     def _flush(self) -> None:
@@ -256,9 +261,11 @@ class TrainingLoop:
         since = time.perf_counter()
         plot = plotting.result()  # what the plot took beyond the checkpoint's wait
         self.state.timed("loss plot", since)
-        record = self.state.record
+        record, step, trained = self.state.record, self.state.step, self.state.trained
+        # A resumed run names the steps this call trained, not the run's whole count.
+        steps = f"{step} steps" if trained == step else f"steps {step - trained + 1}-{step}"
         self.bar.message(
-            f"train: done, {self.state.step} steps in {time.perf_counter() - self.t0:.1f} s; "
+            f"train: done, {steps} in {time.perf_counter() - self.t0:.1f} s; "
             f"final val loss {record.get('val_loss', math.nan):.4f}, val bpb "
             f"{record.get('val_bpb', math.nan):.4f}" + (f"; loss curve {plot}" if plot else "")
         )
