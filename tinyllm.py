@@ -307,10 +307,13 @@ def run(args: argparse.Namespace) -> int:
 
         require_serve_extra()
     from model.rundir.layout import check_out_dir, check_run_dir, check_utf8_path
+    from model.rundir.lock import refuse_if_in_use
 
     check_utf8_path(run_dir)
     if args.tokenize or args.train:
         check_out_dir(run_dir)  # a file, under a file, read-only: before JAX loads or a stage runs
+        if primary_before_jax():
+            refuse_if_in_use(run_dir)  # another writer: said first, whatever the run holds
         check_run_dir(run_dir, args.tokenize, args.train, args.resume)  # again under the lock
     if args.train:
         from model.processes.cpu_devices import configure_cpu_devices

@@ -20,7 +20,7 @@ import pytest
 
 import tinyllm
 from model.rundir.checkpoints import Checkpoints
-from model.rundir.layout import DAMAGED_DIR
+from model.rundir.layout import DAMAGED_DIR, has_checkpoint
 from model.training.metrics import read_metrics
 from plumbing.signals import StopRequests, unwind_on_signals
 from tests.tiny_runs import TINY_TRAIN, write_word_corpus
@@ -210,7 +210,7 @@ def test_a_second_writer_is_refused_and_a_killed_writer_leaves_no_lock(
             sys.executable,
             ROOT / "tinyllm.py",
             "--train",
-            *cli_args(corpus, run_dir, "train.max_steps=100000"),
+            *cli_args(corpus, run_dir, "train.max_steps=100000", "train.checkpoint_interval=20"),
         ],
         stderr=subprocess.DEVNULL,
         cwd=ROOT,
@@ -229,10 +229,18 @@ def test_a_second_writer_is_refused_and_a_killed_writer_leaves_no_lock(
             capsys, "--inference", "--out", run_dir, "--prompt", "to", "--max-new-tokens", "2"
         )
         assert not any("in use" in line for line in lines)
+        while time.monotonic() < deadline and not has_checkpoint(run_dir):
+            time.sleep(0.1)
+        # A checkpoint now lies there: being in use is still the reason given (it said
+        # "already holds a trained model: add --resume", which would not have helped).
+        code, lines = run_cli(capsys, "--train", *cli_args(corpus, run_dir))
+        assert has_checkpoint(run_dir) and code == 2
+        assert "in use by another tinyllm process" in error_lines(lines)[0]
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=60)
     # kill -9 released the lock; the next writer starts and cleans what was left behind.
+    shutil.rmtree(run_dir / "checkpoints")  # a fresh start, not a resume of its steps
     (run_dir / "checkpoints" / "3.orbax-checkpoint-tmp-123").mkdir(parents=True)
     (run_dir / "tokens").mkdir(exist_ok=True)
     (run_dir / "tokens" / f"tokens.bin.tmp{first.pid}").write_bytes(b"x")

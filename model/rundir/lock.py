@@ -50,14 +50,10 @@ class RunLock:
                 f"cannot use the run directory {self.run_dir} ({err.strerror}): pick another --out"
             ) from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = lock_holder(fd)
+            _lock_or_refuse(fd, self.run_dir)
+        except UsageError:
             os.close(fd)
-            raise UsageError(
-                f"{self.run_dir} is in use by another tinyllm process ({holder}): wait for it "
-                "to finish, or pick another --out"
-            ) from None
+            raise
         self._fd = fd
         return self
 
@@ -69,6 +65,29 @@ class RunLock:
                 self.run_dir.rmdir()  # only if still empty
         os.close(self._fd)  # releases the flock
         self._fd = None
+
+
+def refuse_if_in_use(run_dir: Path) -> None:
+    """Refuse at once when another process holds `run_dir`'s lock: its being in use is the
+    reason to give, before any complaint about what the directory holds."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return  # absent or not a directory: RunLock and the layout checks say so
+    try:
+        _lock_or_refuse(fd, Path(run_dir))
+    finally:
+        os.close(fd)  # closing releases the lock this probe took
+
+
+def _lock_or_refuse(fd: int, run_dir: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(
+            f"{run_dir} is in use by another tinyllm process ({lock_holder(fd)}): wait for it "
+            "to finish, or pick another --out"
+        ) from None
 
 
 def lock_holder(fd: int) -> str:
