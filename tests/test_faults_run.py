@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import tinyllm
-from model.rundir.checkpoints import Checkpoints
+from model.rundir.checkpoints import CheckpointDamaged, Checkpoints, _verify
+from model.rundir.checksums import tree_checksums
 from model.rundir.layout import DAMAGED_DIR, has_checkpoint
 from model.training.metrics import read_metrics
 from plumbing.signals import StopRequests, unwind_on_signals
@@ -364,6 +365,20 @@ def test_damaged_optimizer_state_is_named_and_resume_falls_back(run_copy, capsys
     assert "resuming from step 4 instead" in warning
     assert_readable(warning.split(" (moved to ")[0])
     assert_replays(run_copy, trained)
+
+
+def test_a_checksum_mismatch_is_one_sentence_in_number():
+    # "its optimizer state fail their checksums" read as one plural for any count
+    tree = {"a": np.zeros(3, np.float32), "b": np.ones(2, np.float32)}
+    sums = tree_checksums(tree)
+    with pytest.raises(
+        CheckpointDamaged, match=r"^1 array of its optimizer state fails its checksum \(b\)$"
+    ):
+        _verify([sums[0], "x"], tree, "optimizer state")
+    with pytest.raises(
+        CheckpointDamaged, match=r"^2 arrays of its weights fail their checksums \(first a\)$"
+    ):
+        _verify(["x", "y"], tree, "weights")
 
 
 def test_no_intact_checkpoint_is_one_line_and_moves_nothing(run_copy, capsys, corpus):

@@ -324,10 +324,11 @@ def _verify(saved: Any, tree: Any, what: str) -> None:
             for p, x in jax.tree_util.tree_leaves_with_path(tree)
             if isinstance(x, jax.Array | np.ndarray)
         ]
-        arrays = f"{len(bad)} arrays" if len(bad) > 1 else "1 array"
-        raise CheckpointDamaged(
-            f"its {what} fail their checksums ({arrays}, first {paths[bad[0]]})"
-        )
+        if len(bad) > 1:
+            damage = f"{len(bad)} arrays of its {what} fail their checksums (first "
+        else:
+            damage = f"1 array of its {what} fails its checksum ("
+        raise CheckpointDamaged(f"{damage}{paths[bad[0]]})")
 
 
 def _abstract(tree: Any) -> Any:
