@@ -133,12 +133,21 @@ def settings_conflict(settings: list[Setting]) -> str | None:
     return None
 
 
-def saved_run_config(args: argparse.Namespace, default: Path) -> dict | None:
-    """--resume without --config: the config the run was trained with (RUN/config.json, or
-    where that is lost or damaged, the one its newest checkpoint keeps), not the default
-    file's, said in one line; None otherwise, or where the run has none (the stage's own
-    checks then say what is wrong with the run)."""
-    if not args.resume or args.config is not None:
+def plans_an_existing_run(args: argparse.Namespace) -> bool:
+    """--plan --out RUN without --config, where no stage rewrites the run: the plan is of the
+    model the run holds, not of the default config file's."""
+    return args.plan and args.out and args.config is None and not (args.tokenize or args.train)
+
+
+def saved_run_config(
+    args: argparse.Namespace, default: Path, for_plan: bool = False
+) -> dict | None:
+    """--resume (or, `for_plan`, plans_an_existing_run) without --config: the config the run
+    was trained with (RUN/config.json, or where that is lost or damaged, the one its newest
+    checkpoint keeps), not the default file's, said in one line; None otherwise, or where the
+    run has none (the stage's own checks then say what is wrong with the run)."""
+    wanted = args.resume or (for_plan and plans_an_existing_run(args))
+    if not wanted or args.config is not None:
         return None
     from model.rundir.layout import CONFIG_FILE, read_checkpoint_config, read_saved_config
 

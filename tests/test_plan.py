@@ -174,6 +174,26 @@ def test_cli_plan_json_and_text(capsys):
     assert verdicts == {32: "fits", 64: "DOES NOT FIT"}
 
 
+def test_plan_of_a_run_without_config_is_the_runs_own_model(tmp_path, capsys):
+    # --plan --out RUN planned the default config file's model, whatever RUN held
+    import tinyllm
+
+    shape = ["model.n_layer=2", "model.n_embd=64", "tokenizer.vocab_size=500"]
+    saved = load_config(resolve_config_path(None), shape).to_dict()
+    saved["model"]["vocab_size"] = 500  # as training saves it
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(saved))
+    assert tinyllm.main(["--plan", "--json", "--device", "h100-sxm", "--out", str(run_dir)]) == 0
+    out, err = capsys.readouterr()
+    assert "config: the run's own" in err
+    elsewhere = ["--json", "--device", "h100-sxm", "--out", str(tmp_path / "none")]
+    same_shape = plan_in_process(capsys, *elsewhere, *shape)
+    default = plan_in_process(capsys, *elsewhere)
+    assert json.loads(out)["params"] == json.loads(same_shape)["params"]
+    assert json.loads(out)["params"] != json.loads(default)["params"]
+
+
 def test_cli_plan_refuses_bad_devices_in_one_line(tmp_path):
     proc = run_cli("--plan", "--device", "tpu-v9")
     assert proc.returncode == 2
