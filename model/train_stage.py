@@ -47,6 +47,7 @@ from model.training.resume import (
     data_note,
     newest_readable_meta,
     resumed_data,
+    schedule_note,
 )
 from model.training.tracking import require_tracker
 from plumbing.atomic import write_atomic
@@ -104,6 +105,8 @@ def run_train(
             if (note := data_note(cfg.data, data)) is not None and is_primary():
                 print(note, file=sys.stderr)
             cfg = dataclasses.replace(cfg, data=data)
+            if (note := schedule_note(saved, cfg.train)) is not None and is_primary():
+                print(note, file=sys.stderr)
             check_compatible(saved, model_cfg, tokenizer_sha)
             check_same_optimizer(saved, cfg.train)
         trainer = Trainer(cfg.train, model_cfg, programs=programs, ahead=ahead)

@@ -55,7 +55,9 @@ def test_resume_replays_the_uninterrupted_run(tmp_path, corpus_file, recipe, cap
     assert Checkpoints(resumed).latest_step() == 4
     capsys.readouterr()
     run_train(tiny_config(corpus_file, "train.max_steps=8", *recipe), resumed, resume=True)
-    assert "train: done, steps 5-8 in" in capsys.readouterr().err  # this call's, not 8
+    err = capsys.readouterr().err
+    assert "train: done, steps 5-8 in" in err  # this call's, not 8
+    assert "learning rate now decays" not in err  # train.lr_decay_steps=8 kept it
 
     a, b = train_losses(straight), train_losses(resumed)
     assert sorted(a) == sorted(b) == list(range(1, 9))
@@ -64,6 +66,20 @@ def test_resume_replays_the_uninterrupted_run(tmp_path, corpus_file, recipe, cap
     val_b = [r["val_loss"] for r in read_metrics(resumed) if "val_loss" in r]
     np.testing.assert_allclose(val_b, val_a, rtol=1e-5)
     assert (straight / "loss.png").exists() and (straight / "config.json").exists()
+
+
+def test_raising_max_steps_on_resume_says_the_schedule_changes(tmp_path, corpus_file, capsys):
+    # with train.lr_decay_steps 0 the decay stretched to the new max_steps without a word
+    cfg, run_dir = tokenized_run(
+        tmp_path, corpus_file, "train.max_steps=4", "train.lr_decay_steps=0"
+    )
+    run_train(cfg, run_dir)
+    capsys.readouterr()
+    longer = tiny_config(corpus_file, "train.max_steps=6", "train.lr_decay_steps=0")
+    run_train(longer, run_dir, resume=True)
+    err = capsys.readouterr().err
+    assert "resume: the learning rate now decays over 6 steps, not the run's 4" in err
+    assert "train.lr_decay_steps=4" in err
 
 
 def test_outputs_and_metrics_fields(tmp_path, corpus_file, monkeypatch, capsys):

@@ -116,6 +116,21 @@ def data_note(config: DataConfig, resumed: DataConfig) -> str | None:
     return f"resume: continuing on the run's data, {runs}, not the config's {theirs}"
 
 
+def schedule_note(meta: dict, train_cfg) -> str | None:
+    """One line when a resumed run's learning rate would decay over another length than the
+    checkpoint's (train.max_steps raised with train.lr_decay_steps 0, its default), else None:
+    the steps after the checkpoint then differ from an uninterrupted run's."""
+    recorded = meta["config"].get("train", {})
+    before = recorded.get("lr_decay_steps") or recorded.get("max_steps")
+    now = train_cfg.lr_decay_steps or train_cfg.max_steps
+    if not isinstance(before, int) or before == now:
+        return None
+    return (
+        f"resume: the learning rate now decays over {now:,} steps, not the run's {before:,} "
+        f"(add train.lr_decay_steps={before} to keep the run's schedule)"
+    )
+
+
 def check_same_corpus(meta: dict, corpus: Corpus) -> None:
     """A resumed run must read the text it was trained on (the token cache would otherwise be
     rebuilt from other text and the validation split would move)."""
