@@ -15,7 +15,6 @@ the engine answers what is left with an error event, and the stage ends with one
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import socket
 import sys
@@ -41,7 +40,7 @@ def run_serve(cfg: Config, run_dir: Path) -> int:
 
     from model.serving.app import build_app
     from model.serving.engine import Engine
-    from model.serving.guard import MAX_HEAD_BYTES, guarded_h11
+    from model.serving.guard import MAX_HEAD_BYTES, guarded_h11, is_loopback
 
     tokenizer, model = load_for_sampling(run_dir, cfg.init_from, cfg.model)
     start_up_done()  # the collector leaves start-up's objects alone from here
@@ -159,13 +158,3 @@ def bind(serve: ServeConfig) -> socket.socket:
             "or stop what uses it"
         ) from None
     return listener
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` only serves this machine (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -185,6 +185,33 @@ def test_full_queue_and_stopping_are_told_apart():
         engine.submit(Request([1], 4, Collect()))
 
 
+def test_a_chunk_longer_than_the_context_is_refused_in_one_line():
+    # serve.chunk_steps=129 on a 128-token model failed in JAX with a traceback
+    model = tiny_model(block_size=16)
+    with pytest.raises(UsageError, match="chunk_steps must be at most the model's context, 16"):
+        Engine(model, CharTokenizer.train("abc", special_tokens=[]), rows=1, queue_size=1,
+               chunk_steps=17)  # fmt: skip
+
+
+def test_a_cancelled_waiting_request_holds_no_place_in_the_queue():
+    # clients gone from the queue kept their places: live clients got 429
+    engine = Engine(
+        tiny_model(block_size=16),
+        CharTokenizer.train("abc", special_tokens=[]),
+        rows=1,
+        queue_size=2,
+    )  # fmt: skip  (not started: nothing is taken)
+    gone = [Request([1], 4, Collect()) for _ in range(2)]
+    for request in gone:
+        engine.submit(request)
+    assert engine.stats()["queue_length"] == 2
+    gone[0].cancelled.set()
+    assert engine.stats()["queue_length"] == 1
+    engine.submit(Request([1], 4, Collect()))  # takes the gone client's place
+    with pytest.raises(QueueFull):
+        engine.submit(Request([1], 4, Collect()))
+
+
 @pytest.mark.parametrize(
     "params, message",
     [

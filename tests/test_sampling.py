@@ -92,6 +92,14 @@ def test_a_gpu_filters_without_a_conditional_and_keeps_the_same_logits(top_k, to
     np.testing.assert_array_equal(_filter(logits, k, p), jax.jit(filter_unless_off)(logits, k, p))
 
 
+def test_a_huge_temperature_keeps_the_top_k_of_the_model_not_the_lowest_ids():
+    # logits / 3.4e38 all tie at (nearly) 0: top-k kept ids 0..k-1 whatever the model said
+    logits = jnp.asarray([[0.0, 1.0, 2.0, 3.0, 9.0, 8.0, 7.0, 6.0]])
+    params = sampling_params(3.4e38, 2, 1.0)
+    drawn = {int(_sample(logits, jax.random.key(seed), *params)[0]) for seed in range(40)}
+    assert drawn == {4, 5}  # uniform over the two best, as the temperature's limit is
+
+
 def test_temperature_zero_is_argmax():
     logits = random_logits(b=8)
     for seed in range(3):

@@ -220,6 +220,9 @@ def test_unknown_routes_and_methods_are_json_errors(server):
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"]
     response = httpx.get(server.url + "/v1/completions")
     assert response.status_code == 405 and response.json()["error"]["message"]
+    # a trailing slash is another route, not a bodiless 307 redirect
+    slash = httpx.post(server.url + "/v1/completions/", json={"prompt": "to"})
+    assert slash.status_code == 404 and slash.json()["error"]["message"]
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_row(run_dir):

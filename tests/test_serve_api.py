@@ -72,6 +72,27 @@ def log_likelihoods(model, ids: list[int]) -> np.ndarray:
     return logp[np.arange(len(ids) - 1), np.asarray(ids[1:])]
 
 
+def test_a_null_max_completion_tokens_leaves_max_tokens_in_force(server):
+    # present but null, it won: the default length was used, and a limit went unchecked
+    chat = {"messages": [{"role": "user", "content": "to"}]}
+    for route, base in (("/v1/completions", {"prompt": "to"}), ("/v1/chat/completions", chat)):
+        body = {**base, "max_tokens": 2, "max_completion_tokens": None, "temperature": 0}
+        assert post(server, route, body).json()["usage"]["completion_tokens"] == 2
+        over = post(server, route, {**body, "max_tokens": 10**6})
+        assert over.status_code == 400 and "'max_tokens'" in over.json()["error"]["message"]
+
+
+def test_a_repeated_prompt_without_a_seed_gives_several_samples(server):
+    # one seed for every prompt of a list: the choices were identical
+    body = {"prompt": ["to"] * 4, "max_tokens": 12, "temperature": 1.0}
+    texts = {c["text"] for c in post(server, "/v1/completions", body).json()["choices"]}
+    assert len(texts) > 1
+    seeded = {
+        c["text"] for c in post(server, "/v1/completions", {**body, "seed": 7}).json()["choices"]
+    }
+    assert len(seeded) == 1  # a seed given is every prompt's, as vLLM's
+
+
 def test_echo_logprobs_equal_the_models_own_for_text_and_token_prompts(server, trained):
     tokenizer, model = trained
     ids = tokenizer.encode("to be or not to be")
@@ -292,12 +313,39 @@ def test_only_json_bodies_and_only_this_servers_host(server):
 
 
 def test_a_server_bound_to_localhost_answers_to_its_addresses():
-    from model.serving.guard import bound_hosts
+    from model.serving.guard import bound_hosts, is_ip_literal, is_loopback
 
+    assert is_loopback("LocalHost") and not is_loopback("localhost.evil.example")
     names = bound_hosts("localhost", 8000, [])
     assert {"127.0.0.1:8000", "localhost:8000", "[::1]:8000"} <= names
     assert "localhost:8000" in bound_hosts("127.0.0.1", 8000, [])
     assert "evil.example:8000" not in names
+    # Names in any case (a Host header is compared in lower case); IPv6 literals with a port
+    # on a wildcard bind (each of these was refused with 421).
+    assert "127.0.0.1:8000" in bound_hosts("LOCALHOST", 8000, [])
+    assert "mybox:8000" in bound_hosts("10.0.0.5", 8000, ["MyBox"])
+    assert all(map(is_ip_literal, ["[::1]:8000", "[fe80::1]:80", "[::1]", "::1", "10.0.0.5:80"]))
+    assert not any(map(is_ip_literal, ["[::1]x", "[::1]:", "evil.example:80", "[evil]"]))
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0", "10.0.0.5"])
+def test_allowed_hosts_match_in_any_case(bind):
+    import asyncio
+
+    from model.serving.guard import HostCheck, bound_hosts
+
+    answered = []
+
+    async def app(scope, receive, send):
+        answered.append(scope["headers"])
+
+    async def refused(message):
+        answered.append(message)
+
+    check = HostCheck(app, bound_hosts(bind, 8000, ["MyBox"]), ["MyBox"], keyed=False)
+    scope = {"type": "http", "method": "GET", "headers": [(b"host", b"MyBox:8000")]}
+    asyncio.run(check(scope, None, refused))
+    assert answered == [[(b"host", b"MyBox:8000")]], answered
 
 
 def connect(server) -> socket.socket:

@@ -35,16 +35,21 @@ def sampling_params(
     )
 
 
-def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def filter_logits(
+    logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array, rank_by: jax.Array | None = None
+) -> jax.Array:
     """Set logits outside the top-k / top-p candidate set to a huge negative value.
 
     top-k keeps exactly k tokens (ties broken towards the lower id); top-p then keeps the
     smallest prefix of the remaining tokens, by descending probability, whose mass is >= p
     (always at least one). top_k = 0 and top_p = 1 switch them off. top_k and top_p are
-    scalars, or one per row ([B]: the server's batch, each request its own).
+    scalars, or one per row ([B]: the server's batch, each request its own). `rank_by`
+    (same shape): what ranks the tokens, where the logits may have lost their order (the
+    raw logits, which a huge temperature divides into ties).
     """
     vocab = logits_BxV.shape[-1]
-    order_BxV = jnp.argsort(-logits_BxV, axis=-1, stable=True)  # token ids, best first
+    ranked_BxV = logits_BxV if rank_by is None else rank_by
+    order_BxV = jnp.argsort(-ranked_BxV, axis=-1, stable=True)  # token ids, best first
     sorted_BxV = jnp.take_along_axis(logits_BxV, order_BxV, axis=-1)
     rank_V = jnp.arange(vocab)
     k_Bx1 = jnp.reshape(jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab), (-1, 1))
@@ -69,22 +74,27 @@ def filter_logits(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.where(keep_BxV | off_Bx1, logits_BxV, _NEG)
 
 
-def filter_unless_off(logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def filter_unless_off(
+    logits_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array, rank_by: jax.Array | None = None
+) -> jax.Array:
     """`filter_logits`, skipping its sort when both filters are off in every row (a per-row
     choice under vmap would run both branches), except on GPUs, where it always filters:
     XLA:GPU copies a `cond`'s predicate to the host and waits for it, a sync every decode
     step, while the sort costs the device little. Both give the same logits (`filter_logits`
     keeps a row whose filters are off as it is)."""
 
-    def skip_when_off(x, k, p):
+    rank_by = logits_BxV if rank_by is None else rank_by
+
+    def skip_when_off(x, k, p, r):
         return jax.lax.cond(
-            jnp.any((k > 0) | (p < 1.0)), lambda x: filter_logits(x, k, p), lambda x: x, x
+            jnp.any((k > 0) | (p < 1.0)), lambda x: filter_logits(x, k, p, r), lambda x: x, x
         )
 
     return jax.lax.platform_dependent(
         logits_BxV,
         top_k,
         top_p,
+        rank_by,
         default=skip_when_off,
         **dict.fromkeys(GPU_PLATFORMS, filter_logits),
     )
@@ -104,7 +114,8 @@ def sample_logits(
     logits_BxV = logits_BxV.astype(jnp.float32)
     greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     scaled_BxV = logits_BxV / jnp.reshape(jnp.maximum(temperature, 1e-6), (-1, 1))
-    filtered_BxV = filter_unless_off(scaled_BxV, top_k, top_p)  # the sort: O(V log V) a step
+    # Ranked by the raw logits: a huge temperature divides the scaled ones into ties.
+    filtered_BxV = filter_unless_off(scaled_BxV, top_k, top_p, logits_BxV)  # O(V log V) a step
     if key.shape:  # a key per row
         draw = jax.vmap(lambda k, row_V: jax.random.categorical(k, row_V[None], axis=-1)[0])
         sampled_B = draw(key, filtered_BxV).astype(jnp.int32)

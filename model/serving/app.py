@@ -359,6 +359,7 @@ def build_app(
             Exception: _server_error,
         },
     )
+    app.router.redirect_slashes = False  # `/v1/completions/` is an unknown route: a JSON 404
     allowed = bound_hosts(cfg.host, port, cfg.allowed_hosts)
     guarded = HostCheck(app, allowed, cfg.allowed_hosts, keyed=bool(cfg.api_key))
     counted = _Counted(guarded, server.metrics)  # outermost: the guard's refusals count too

@@ -54,6 +54,7 @@ from model.serving.prefix import KeptPrefix, reuse_source
 from model.serving.programs import EnginePrograms
 from model.serving.requests import EngineStopping, QueueFull, Request
 from model.serving.text import StopText, read_tokens
+from plumbing.errors import UsageError
 from tokenizer import Tokenizer
 
 DEFAULT_CHUNK_STEPS = 8
@@ -85,6 +86,11 @@ class Engine:
         stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
     ) -> None:
         check_memory(model.cfg, rows + 1, use_cache=True)
+        if chunk_steps > model.cfg.block_size:  # a chunk's tokens must fit in a row's cache
+            raise UsageError(
+                f"serve.chunk_steps must be at most the model's context, {model.cfg.block_size} "
+                f"tokens, got {chunk_steps}"
+            )
         self.model, self.tokenizer = model, tokenizer
         self.rows, self.queue_size, self.chunk_steps = rows, queue_size, chunk_steps
         self.stream_interval_s = stream_interval_s
@@ -148,7 +154,7 @@ class Engine:
         with self._lock:
             if self._stopping is not None or self._draining is not None:
                 raise EngineStopping(self._stopping or self._draining)
-            if len(self.waiting) >= self.queue_size:
+            if self._live_waiting() >= self.queue_size:
                 raise QueueFull(f"the queue is full ({self.queue_size} requests waiting)")
             self.waiting.append(request)
             self._lock.notify()
@@ -175,7 +181,7 @@ class Engine:
                 status = "shutting down"
             return {
                 "status": status,
-                "queue_length": len(self.waiting),
+                "queue_length": self._live_waiting(),
                 "active": self.counts["busy_rows"],
                 "batch_rows": self.rows,
                 **{k: v for k, v in self.counts.items() if k != "busy_rows"},
@@ -225,6 +231,15 @@ class Engine:
         for slot, request in chunk.requests.items():
             if self.slots[slot] is request:
                 self._guarded(slot, self._deliver, slot, out)
+
+    def _live_waiting(self) -> int:
+        """How many wait, once the requests whose clients went away are dropped (under the
+        lock): a gone client holds no place in the queue."""
+        if any(request.cancelled.is_set() for request in self.waiting):
+            live = [request for request in self.waiting if not request.cancelled.is_set()]
+            self.waiting.clear()
+            self.waiting.extend(live)
+        return len(self.waiting)
 
     def _take_waiting(self) -> list[tuple[int, Request]] | None:
         """Wait for work; free the rows of cancelled requests; pair waiting requests with free

@@ -15,7 +15,6 @@ it) are the body reader's (model/serving/bodies.py).
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import json
 
@@ -27,35 +26,51 @@ MAX_HEAD_BYTES = 16 * 1024  # a request head: uvicorn refuses a larger one only 
 
 
 def bound_hosts(host: str, port: int, extra: list[str]) -> set[str] | None:
-    """Host header values that name this server, or None (any) for a wildcard address."""
+    """Host header values that name this server (lower case, as HostCheck compares them), or
+    None (any) for a wildcard address."""
+    host = host.lower()
     if host in ("0.0.0.0", "::", ""):
         return None
     names = {host, f"{host}:{port}", f"[{host}]", f"[{host}]:{port}"}
-    loopback = host == "localhost"  # bound by name: answer to the addresses it names too
-    with contextlib.suppress(ValueError):  # not an IP address
-        loopback = loopback or ipaddress.ip_address(host).is_loopback
-    if loopback:
+    if is_loopback(host):  # bound by name or number: answer to the names of loopback too
         for name in ("localhost", "127.0.0.1", "[::1]"):
             names |= {name, f"{name}:{port}"}
     for name in extra:
-        names |= {name, f"{name}:{port}"}
+        names |= {name.lower(), f"{name.lower()}:{port}"}
     return names
 
 
-def is_ip_literal(host: str) -> bool:
-    name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+def is_loopback(host: str) -> bool:
+    """Whether `host` only serves this machine (127.0.0.0/8, ::1, localhost in any case)."""
+    if host.lower() == "localhost":
+        return True
     try:
-        ipaddress.ip_address(name.strip("[]"))
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_ip_literal(host: str) -> bool:
+    """A Host header that names an address: `1.2.3.4`, `1.2.3.4:80`, `[::1]`, `[::1]:80`."""
+    if host.startswith("["):
+        name, closed, rest = host[1:].partition("]")
+        if not closed or (rest and not (rest[:1] == ":" and rest[1:].isdigit())):
+            return False
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    try:
+        ipaddress.ip_address(name)
         return True
     except ValueError:
-        return name.startswith("[") and name.endswith("]")
+        return False
 
 
 class HostCheck:
     """Refuse foreign Host headers (no key set) and POSTs that are not JSON."""
 
     def __init__(self, app, allowed: set[str] | None, extra: list[str], keyed: bool) -> None:
-        self.app, self.allowed, self.extra, self.keyed = app, allowed, set(extra), keyed
+        self.app, self.allowed, self.keyed = app, allowed, keyed
+        self.extra = {name.lower() for name in extra}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

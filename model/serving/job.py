@@ -31,7 +31,7 @@ class Job:
             on_event=lambda kind, data: loop.call_soon_threadsafe(
                 self.events.put_nowait, (kind, data)
             ),
-            sampling=completion.sampling,
+            sampling=completion.sampling_of(index),
             stop=completion.stop,
             logprobs=completion.logprobs,
             echo=completion.echo,

@@ -26,6 +26,7 @@ the model starts the next "User:" or "System:" line.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 import uuid
@@ -79,6 +80,14 @@ class Completion:
     chat: bool = False
     echo: bool = False
     logprobs: int | None = None  # alternatives per token, 0..5; None: no log-probabilities
+    seed_drawn: bool = False  # no `seed` in the request: each prompt samples with its own draw
+
+    def sampling_of(self, index: int) -> SamplingParams:
+        """Prompt `index`'s settings: a request's seed for every prompt, or without one, a
+        draw per prompt (a list that repeats a prompt gets several samples, as OpenAI's)."""
+        if not self.seed_drawn or index == 0:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=random.randrange(SEED_MAX))
 
 
 def parse_completion(body: Any, limits: ServeConfig) -> Completion:
@@ -165,7 +174,9 @@ def _is_token_list(value: Any) -> bool:
 def _settings(
     body: dict[str, Any], prompts: list, limits: ServeConfig, chat: bool, low: int
 ) -> Completion:
-    tokens_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    # null is "not given", as for every field: max_tokens then counts
+    given = body.get("max_completion_tokens") is not None
+    tokens_key = "max_completion_tokens" if given else "max_tokens"
     max_tokens = _integer(body, tokens_key, limits.default_max_tokens, low=low)
     if max_tokens > limits.max_tokens:
         raise ApiError(
@@ -173,8 +184,9 @@ def _settings(
             f"'{tokens_key}' is {max_tokens}, above this server's limit of {limits.max_tokens}",
         )
     seed = _integer(body, "seed", None, low=0)  # its upper bound: SamplingParams.checked
-    if seed is None:
-        seed = random.randrange(SEED_MAX)  # a fresh draw per request, as OpenAI's
+    drawn = seed is None
+    if drawn:
+        seed = random.randrange(SEED_MAX)  # a fresh draw, as OpenAI's (each prompt its own)
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0),
         top_k=_integer(body, "top_k", 0, low=0),
@@ -197,6 +209,7 @@ def _settings(
         stream=stream,
         include_usage=_flag(options or {}, "include_usage"),
         chat=chat,
+        seed_drawn=drawn,
     )
 
 
