@@ -83,6 +83,34 @@ def test_dataset_missing_field(tmp_path):
         dataset_corpus(str(path)).read_text()
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("rows.jsonl", b"not json\n", "JSON parse error"),
+        ("empty.jsonl", b"", "the file is empty"),
+        ("rows.csv", b'text\n"unterminated\n', "EOF inside string"),
+        ("rows.txt", b"\xff\xfeabc", "can't decode byte 0xff"),
+    ],
+)
+def test_a_dataset_file_that_does_not_read_is_one_line(tmp_path, name, content, message):
+    # each was a library traceback (pyarrow, pandas, a stray StopIteration, UnicodeDecodeError)
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(UsageError, match=message) as err:
+        dataset_corpus(str(path)).read_text()
+    assert str(err.value).startswith(f"cannot read dataset {str(path)!r}")
+    assert "\n" not in str(err.value)
+
+
+def test_a_split_or_config_of_a_dataset_file_is_refused(tmp_path):
+    # one file is one split: --split validation read the whole file without a word
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "hello"}\n')
+    for split, config in (("validation", ""), ("train", "en")):
+        with pytest.raises(UsageError, match="has one split and no configs"):
+            dataset_corpus(str(path), config=config, split=split).read_text()
+
+
 def test_input_and_dataset_together_is_an_error(tmp_path):
     with pytest.raises(UsageError, match="not both"):
         load_corpus(inputs=["a.txt"], dataset="x")

@@ -12,6 +12,7 @@ changes when the text changes (the token cache is rebuilt when it does).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -160,7 +161,7 @@ def dataset_corpus(
     def pieces() -> Iterator[str]:
         rows = _open_dataset(name, config, split)
         first = True
-        for row in rows:
+        for row in _read_rows(rows, name):
             if field not in row:
                 cols = ", ".join(sorted(row)) or "none"
                 raise UsageError(
@@ -174,6 +175,25 @@ def dataset_corpus(
             first = False
 
     return Corpus(f"dataset {name}", "dataset:" + fingerprint.hexdigest(), pieces)
+
+
+def _read_rows(rows, name: str) -> Iterator[dict]:
+    """A streamed dataset's rows; what its reader fails on (a file that does not parse as
+    its type, bad UTF-8, nothing in it) is one line naming the dataset."""
+    it = iter(rows)
+    while True:
+        try:
+            row = next(it)
+        except StopIteration:
+            return
+        except UsageError:
+            raise
+        # pyarrow's and pandas' parse errors and UnicodeDecodeError are ValueErrors
+        except (ValueError, OSError) as err:
+            text = str(err).strip()
+            first_line = text.splitlines()[0] if text else type(err).__name__
+            raise UsageError(f"cannot read dataset {name!r}: {first_line[:200]}") from None
+        yield row
 
 
 _LOCAL_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
@@ -191,12 +211,22 @@ def _open_dataset(name: str, config: str, split: str):
             builder = _LOCAL_BUILDERS.get(path.suffix.lower())
             if builder is None:
                 raise UsageError(f"unsupported dataset file type {path.suffix!r}: {name}")
+            if path.stat().st_size == 0:  # the json builder fails on one with a StopIteration
+                raise UsageError(f"cannot read dataset {name!r}: the file is empty")
             # The `text` builder yields one record per line; keep line breaks so the text
             # reads as the file does.
             kwargs = {"keep_linebreaks": True} if builder == "text" else {}
+            if config or split != "train":  # one file is one split: the names would be ignored
+                raise UsageError(
+                    f"dataset file {name} has one split and no configs: drop --split and "
+                    "--dataset-config (they name parts of a hub dataset or dataset directory)"
+                )
             return datasets.load_dataset(
                 builder, data_files={split: str(path)}, split=split, streaming=True, **kwargs
             )
+        # The hub client logs each retry of an unreachable hub (about 25 s in all) as a
+        # warning line; the failure itself is the one line below.
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
         return datasets.load_dataset(name, config or None, split=split, streaming=True)
     except UsageError:
         raise
