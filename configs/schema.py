@@ -53,7 +53,8 @@ class Config:
     def validate(self) -> Config:
         """Check values that types alone cannot, section by section: ranges, choices,
         divisibility. Raise UsageError naming the first bad value; return self."""
-        if not self.name or "/" in self.name:
+        plain = isinstance(self.name, str) and self.name not in ("", ".", "..")
+        if not plain or "/" in self.name:  # runs/<name> must stay under runs/
             raise UsageError(f"config name {self.name!r} must be a plain, non-empty name")
         self.train.validate()
         self.sample.validate()

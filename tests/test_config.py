@@ -154,6 +154,8 @@ def test_round_trip_through_dict():
         ("serve.stream_interval_s=-0.5", "serve.stream_interval_s must be >= 0"),
         ("serve.stream_interval_s=inf", "serve.stream_interval_s must be a finite number"),
         ("train.muon_ns_steps=1000000", "train.muon_ns_steps must be at most 50"),
+        ("name=..", "config name '..' must be a plain, non-empty name"),  # runs/.. escaped
+        ("name=.", "must be a plain, non-empty name"),
         ("model.vocab_size=5", "model.vocab_size cannot be set: it comes from the tokenizer"),
         ("model.vocab_size=-3", "model.vocab_size cannot be set"),
     ],
