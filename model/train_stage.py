@@ -82,6 +82,8 @@ def run_train(
     # XLA flags are read when JAX starts its backend, which nothing has touched yet.
     configure_determinism(cfg.train.deterministic)
     initialize_from_env()  # several processes: meet the others before JAX starts
+    if (note := tokenizer_note(cfg, tokenizer)) is not None and is_primary():
+        print(note, file=sys.stderr)
     tokenizer_sha = file_sha256(run_dir / TOKENIZER_FILE)
     model_cfg = _model_config(cfg, tokenizer)
     # A model too big for this machine: one line now, not an out-of-memory traceback later.
@@ -105,8 +107,6 @@ def run_train(
             if (note := data_note(cfg.data, data)) is not None and is_primary():
                 print(note, file=sys.stderr)
             cfg = dataclasses.replace(cfg, data=data)
-            if (note := schedule_note(saved, cfg.train)) is not None and is_primary():
-                print(note, file=sys.stderr)
             check_compatible(saved, model_cfg, tokenizer_sha)
             check_same_optimizer(saved, cfg.train)
         trainer = Trainer(cfg.train, model_cfg, programs=programs, ahead=ahead)
@@ -120,10 +120,13 @@ def run_train(
             tokenizer_sha,
         )  # fmt: skip
         check_splits(splits, model_cfg.block_size)  # now, not at the first evaluation
+        # Once every check has passed: a refused resume says only why.
+        if saved is not None and (note := schedule_note(saved, cfg.train)) and is_primary():
+            print(note, file=sys.stderr)
         state = _starting_state(trainer, checkpoints, cfg, resume)
         _print_summary(trainer, splits, state.steps_taken())
         meta = {
-            "config": _resolved(cfg, model_cfg),
+            "config": _resolved(cfg, model_cfg, tokenizer),
             "tokenizer_sha256": tokenizer_sha,
             "corpus_fingerprint": corpus.fingerprint,
         }
@@ -225,10 +228,32 @@ def _calls_note(t) -> str:
     return f", {t.steps_per_call} steps a call"
 
 
-def _resolved(cfg: Config, model_cfg: ModelConfig) -> dict:
-    """The config as the checkpoint records it: the model's vocabulary filled in, and input
-    paths absolute, so a resumed run finds its files from any working directory."""
+def _resolved(cfg: Config, model_cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
+    """The config as the checkpoint records it: the model's vocabulary filled in, the
+    tokenizer as the run holds it, and input paths absolute, so a resumed run finds its files
+    from any working directory."""
     out = cfg.to_dict()
     out["model"] = dataclasses.asdict(model_cfg)
+    out["tokenizer"] = _as_trained(cfg, tokenizer)
     out["data"]["input"] = [str(Path(p).resolve()) for p in cfg.data.input]
     return out
+
+
+def _as_trained(cfg: Config, tokenizer: Tokenizer) -> dict:
+    """The [tokenizer] section as the run's tokenizer is: --train uses the one an earlier
+    --tokenize made, whatever the config file says now."""
+    out = dataclasses.asdict(cfg.tokenizer)
+    kind = "char" if tokenizer.kind == "char" else ("gpt2" if out["kind"] == "gpt2" else "bpe")
+    specials = sorted(tokenizer.special_tokens, key=tokenizer.special_tokens.get)
+    out.update(kind=kind, vocab_size=tokenizer.vocab_size, special_tokens=specials)
+    return out
+
+
+def tokenizer_note(cfg: Config, tokenizer: Tokenizer) -> str | None:
+    """One line when the config names another kind of tokenizer than the run holds."""
+    if cfg.init_from or (cfg.tokenizer.kind == "char") == (tokenizer.kind == "char"):
+        return None
+    return (
+        f"train: on the run's {tokenizer.kind} tokenizer ({tokenizer.vocab_size:,} tokens), not "
+        f"the config's {cfg.tokenizer.kind}: --tokenize made it (another needs another --out)"
+    )

@@ -18,6 +18,7 @@ from model.training.trainer import Trainer
 from plumbing.errors import UsageError
 from tests.child_env import child_env
 from tests.tiny_runs import RECIPE, TINY_TRAIN, tiny_run_config, write_word_corpus
+from tokenizer import load_tokenizer
 from tokenizer.stage import run_tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +81,20 @@ def test_raising_max_steps_on_resume_says_the_schedule_changes(tmp_path, corpus_
     err = capsys.readouterr().err
     assert "resume: the learning rate now decays over 6 steps, not the run's 4" in err
     assert "train.lr_decay_steps=4" in err
+
+
+def test_config_json_records_the_tokenizer_the_run_trained_with(tmp_path, corpus_file, capsys):
+    # --train with a config naming bpe 500 trained on the run's char tokenizer without a word,
+    # and config.json (which --plan and --resume read back) said bpe 500
+    _, run_dir = tokenized_run(tmp_path, corpus_file, "train.max_steps=2")
+    chars = load_tokenizer(run_dir / "tokenizer.pkl")
+    other = tiny_config(
+        corpus_file, "train.max_steps=2", "tokenizer.kind=bpe", "tokenizer.vocab_size=500"
+    )
+    run_train(other, run_dir)
+    assert "train: on the run's char tokenizer" in capsys.readouterr().err
+    saved = json.loads((run_dir / "config.json").read_text())["tokenizer"]
+    assert saved["kind"] == "char" and saved["vocab_size"] == chars.vocab_size
 
 
 def test_outputs_and_metrics_fields(tmp_path, corpus_file, monkeypatch, capsys):
