@@ -287,6 +287,12 @@ def run(args: argparse.Namespace) -> int:
         from model.interop.hf_import import refuse_shape_overrides  # the checkpoint's shape
 
         refuse_shape_overrides(cfg.init_from, cfg.model, typed)
+    elif typed and (args.inference or args.serve) and not args.train:
+        shown = next(iter(typed.values()))
+        raise UsageError(
+            f"{shown}: --inference and --serve sample the run's model as it was trained (its "
+            "checkpoint decides every model.* value): drop it"
+        )
     from model.processes.cpu_kernels import configure_cpu_kernels
     from model.processes.distributed import check_single_process_stages, multi_process_requested
 

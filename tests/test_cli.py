@@ -162,6 +162,8 @@ def trained_char_run(tmp_path_factory, text_file):
         (["--top-p", "0"], ["top_p must be in (0, 1]"]),
         (["--top-p", "1.5"], ["top_p must be in (0, 1]"]),
         (["--prompt", "Romeo " * 10], ["longer than the model's context"]),
+        # sampled the trained model without a word
+        (["--prompt", "Ro", "model.n_layer=3"], ["model.n_layer=3: --inference and --serve"]),
     ],
     ids=[
         "unknown-chars",
@@ -170,6 +172,7 @@ def trained_char_run(tmp_path_factory, text_file):
         "top-p-zero",
         "top-p-big",
         "long-prompt",
+        "model-override",
     ],
 )
 def test_inference_bad_input(trained_char_run, capsys, argv, fragments):
