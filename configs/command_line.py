@@ -125,12 +125,25 @@ def settings_conflict(settings: list[Setting]) -> str | None:
     later win), or both sources of training text (--input and --dataset)."""
     final = {s.key: s for s in settings}  # the last pair of a key, else its flag
     for flag in (s for s in settings if s.flag):
-        if final[flag.key].value != flag.value:
+        other = final[flag.key]
+        if other is not flag and not _same_value(other.value, flag.value):
             return f"{flag.typed} and {final[flag.key].typed} both set {flag.key}: give one"
     sources = [final[key] for key in ("data.input", "data.dataset") if key in final]
     if len(sources) == 2 and all(s.value for s in sources):
         return f"{sources[0].typed} and {sources[1].typed} both name the training text: give one"
     return None
+
+
+def _same_value(a, b) -> bool:
+    """Equal as settings: a string is a list of one (`data.input=x` and `--input x`), and NaN
+    is NaN (each is refused later for being NaN, not for disagreeing)."""
+    if isinstance(a, str) and isinstance(b, list):
+        a = [a]
+    if isinstance(b, str) and isinstance(a, list):
+        b = [b]
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return a == b
 
 
 def plans_an_existing_run(args: argparse.Namespace) -> bool:

@@ -198,6 +198,18 @@ def test_two_things_on_one_command_line_that_disagree(tmp_path, capsys, argv, li
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--input", "a.txt", "data.input=a.txt"],  # a list and a string: refused as different
+        ["--temperature", "nan"],  # NaN != NaN: "--temperature nan and --temperature nan"
+        ["--temperature", "0.5", "sample.temperature=0.5"],
+    ],
+)
+def test_a_flag_and_a_pair_of_equal_values_agree(argv):
+    assert parse("--plan", *argv)  # argument_problem found none
+
+
 def test_a_config_file_with_both_sources_is_refused(tmp_path):
     path = tmp_path / "both.toml"
     path.write_text('[data]\ninput = ["a.txt"]\ndataset = "d"\n')
@@ -242,7 +254,7 @@ def test_tinystories_config_trains_on_a_local_file(tmp_path, capsys, monkeypatch
     assert code == 0, lines
     assert any("resuming at step 6" in line for line in lines), lines
     note = f"resume: continuing on the run's data, --input {corpus.resolve()}, not the config's"
-    assert [line for line in lines if line.startswith("resume:")] == [
+    assert [line for line in lines if line.startswith("resume: continuing")] == [
         f"{note} --dataset {dataset}"
     ], lines
     # Without --config: the run's own config (its shrunk model, its file), not the default
