@@ -169,9 +169,15 @@ def argument_problem(args: argparse.Namespace, argv: list[str] | None = None) ->
         return str(err)
 
 
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """The flags and the key=value pairs, which may come in any order (intermixed: a pair
+    after a later flag is an override too, not an unrecognized argument)."""
+    return build_parser().parse_intermixed_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     problem = argument_problem(args, argv)
     if problem:
         sys.stderr.write(f"tinyllm: error: {printable(problem)} (see --help)\n")

@@ -18,7 +18,7 @@ from tests.tiny_runs import TINY_TRAIN, write_word_corpus
 
 def parse(*argv: str):
     """argv through the CLI's own checks: the parsed args, or the one-line problem."""
-    args = tinyllm.build_parser().parse_args(list(argv))
+    args = tinyllm.parse_command_line(list(argv))
     problem = tinyllm.argument_problem(args, list(argv))
     assert problem is None, problem
     return args
@@ -208,6 +208,14 @@ def test_two_things_on_one_command_line_that_disagree(tmp_path, capsys, argv, li
 )
 def test_a_flag_and_a_pair_of_equal_values_agree(argv):
     assert parse("--plan", *argv)  # argument_problem found none
+
+
+def test_pairs_may_follow_any_flag():
+    # a pair after a later flag was "unrecognized arguments: model.n_embd=64"
+    args = parse("--plan", "model.n_layer=2", "--devices", "1", "model.n_embd=64")
+    assert args.overrides == ["model.n_layer=2", "model.n_embd=64"] and args.devices == 1
+    args = parse("--train", "--input", "a.txt", "train.max_steps=3", "--resume", "model.n_head=2")
+    assert args.input == ["a.txt"] and args.overrides == ["train.max_steps=3", "model.n_head=2"]
 
 
 def test_a_config_file_with_both_sources_is_refused(tmp_path):

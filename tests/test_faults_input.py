@@ -262,7 +262,7 @@ def test_input_name_that_is_not_utf8(tmp_path, capsys, text_file):
 
 
 def parse(argv: list[str]):
-    args = tinyllm.build_parser().parse_args(argv)
+    args = tinyllm.parse_command_line(argv)
     assert split_list_overrides(args, argv) is None
     return args
 
@@ -305,7 +305,7 @@ def test_docstring_examples_parse_as_meant():
     assert len(commands) >= 3
     for command in commands:
         # Written so that even a parser whose --input takes everything reads it right.
-        raw = tinyllm.build_parser().parse_args(shlex.split(command))
+        raw = tinyllm.parse_command_line(shlex.split(command))
         assert not any(OVERRIDE_ITEM.match(i) for i in raw.input or []), command
         args = parse(shlex.split(command))
         for item in args.input or []:
