@@ -417,6 +417,16 @@ def test_evaluate_windows_scores_every_window_once():
         evaluate_windows(model, tokens[:16])
 
 
+def test_a_split_too_short_is_told_which_way_val_fraction_helps():
+    # the training split was advised "a larger data.val_fraction", which shrinks it
+    from model.training.data import check_window
+
+    with pytest.raises(UsageError, match=r"a smaller data\.val_fraction"):
+        check_window(np.arange(5), 8, "training")
+    with pytest.raises(UsageError, match=r"a larger data\.val_fraction"):
+        check_window(np.arange(5), 8, "validation")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint16", "bool", "int32"])
 def test_host_checksums_equal_the_device_ones(monkeypatch, dtype):
     """Loading verifies checksums in numpy when the arrays are in host memory; the digests

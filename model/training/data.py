@@ -186,10 +186,12 @@ def check_window(tokens: np.ndarray, block_size: int, split: str) -> None:
     >>> check_window(np.arange(9), 8, "validation")  # 8 + 1 tokens: one window, enough
     """
     if len(tokens) <= block_size:
+        # The two splits share the text: data.val_fraction moves tokens from one to the other.
+        fraction = "larger" if split == "validation" else "smaller"
         raise UsageError(
             f"the {split} split has {len(tokens)} tokens, fewer than the context "
-            f"({block_size} + 1): use more text, a larger data.val_fraction or a smaller "
-            "block_size"
+            f"({block_size} + 1): use more text, a {fraction} data.val_fraction or a smaller "
+            "model.block_size"
         )
 
 
