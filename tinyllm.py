@@ -160,6 +160,12 @@ def argument_problem(args: argparse.Namespace, argv: list[str] | None = None) ->
         return "--config needs a config's name or a path, got an empty one"
     if (args.device or args.devices or args.json) and not args.plan:
         return "--device, --devices and --json go with --plan"
+    if args.resume and not args.train:
+        return "--resume goes with --train (--inference and --serve always read the newest step)"
+    if (args.interactive or args.no_kv_cache) and not args.inference:
+        return "--interactive and --no-kv-cache go with --inference"
+    if args.api_key is not None and not args.api_key.strip():
+        return "--api-key is empty (an unset variable?): give the key, or leave the flag out"
     for item in args.overrides:
         if "=" not in item:
             return f"unexpected argument {item!r}: overrides are key=value"

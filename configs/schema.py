@@ -141,6 +141,8 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory, not a config file (a .toml file or a name)")
     if not path.is_file():
         raise UsageError(f"config file not found: {path} (see configs/ for the shipped ones)")
     try:

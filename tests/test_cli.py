@@ -112,6 +112,11 @@ def test_failed_tokenize_keeps_the_existing_tokenizer(tmp_path, capsys, text_fil
         (["--train"], ["no tokenizer in"]),
         (["--inference"], ["no checkpoint in"]),
         ([], ["choose at least one stage"]),
+        # each was accepted and did nothing (an empty key served without one)
+        (["--inference", "--resume"], ["--resume goes with --train"]),
+        (["--plan", "--interactive"], ["--interactive and --no-kv-cache go with --inference"]),
+        (["--serve", "--api-key", ""], ["--api-key is empty"]),
+        (["--plan", "--config", "configs"], ["configs is a directory, not a config file"]),
     ],
     ids=[
         "unknown-flag",
@@ -122,6 +127,10 @@ def test_failed_tokenize_keeps_the_existing_tokenizer(tmp_path, capsys, text_fil
         "no-tok",
         "no-ckpt",
         "no-stage",
+        "resume-alone",
+        "interactive-alone",
+        "empty-key",
+        "config-dir",
     ],
 )
 def test_usage_errors(tmp_path, capsys, argv, fragments):

@@ -185,7 +185,7 @@ def test_agreeing_flag_and_pair_and_repeated_pairs(capsys):
             "--prompt 'Hi there' and sample.prompt=Bye both set sample.prompt: give one",
         ),
         (
-            ["--no-kv-cache", "sample.kv_cache=true"],
+            ["--inference", "--no-kv-cache", "sample.kv_cache=true"],
             "--no-kv-cache and sample.kv_cache=true both set sample.kv_cache: give one",
         ),
     ],
