@@ -173,6 +173,7 @@ def trained_char_run(tmp_path_factory, text_file):
         (["--prompt", "Romeo " * 10], ["longer than the model's context"]),
         # sampled the trained model without a word
         (["--prompt", "Ro", "model.n_layer=3"], ["model.n_layer=3: --inference and --serve"]),
+        (["--prompt", ""], ["the prompt is empty", "no end-of-text token"]),  # named --prompt
     ],
     ids=[
         "unknown-chars",
@@ -182,6 +183,7 @@ def trained_char_run(tmp_path_factory, text_file):
         "top-p-big",
         "long-prompt",
         "model-override",
+        "empty-prompt",
     ],
 )
 def test_inference_bad_input(trained_char_run, capsys, argv, fragments):

@@ -38,7 +38,11 @@ def encode_prompt(tokenizer, prompt: str, block_size: int | None) -> list[int]:
     if not ids:
         eot = stop_token_of(tokenizer)
         if eot is None:
-            raise UsageError("the prompt is empty: give some text with --prompt")
+            # (the message reaches --inference and the server alike: it names no flag)
+            raise UsageError(
+                "the prompt is empty, and this tokenizer has no end-of-text token to stand for "
+                "one: give some text"
+            )
         ids = [eot]
     if block_size is not None:
         check_prompt_length(len(ids), block_size)
