@@ -295,6 +295,12 @@ def run(args: argparse.Namespace) -> int:
     run_dir = run_dir_of(args, cfg.name)
     settings = command_line_settings(args)
     typed = {s.key.removeprefix("model."): s.typed for s in settings if s.key.startswith("model.")}
+    vocab = next((s.typed for s in settings if s.key == "tokenizer.vocab_size"), None)
+    if vocab is not None and cfg.tokenizer.kind != "bpe":
+        raise UsageError(
+            f"{vocab}: the vocabulary size is a bpe tokenizer's to choose (a char tokenizer has "
+            "its text's characters, gpt2 its 50,257 tokens): drop it"
+        )
     if cfg.init_from and typed and (args.train or args.inference or args.serve):
         from model.interop.hf_import import refuse_shape_overrides  # the checkpoint's shape
 

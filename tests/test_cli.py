@@ -117,6 +117,7 @@ def test_failed_tokenize_keeps_the_existing_tokenizer(tmp_path, capsys, text_fil
         (["--plan", "--interactive"], ["--interactive and --no-kv-cache go with --inference"]),
         (["--serve", "--api-key", ""], ["--api-key is empty"]),
         (["--plan", "--config", "configs"], ["configs is a directory, not a config file"]),
+        (["--tokenize", "--tokenizer", "char", "--vocab-size", "300"], ["--vocab-size 300: the"]),
     ],
     ids=[
         "unknown-flag",
@@ -131,6 +132,7 @@ def test_failed_tokenize_keeps_the_existing_tokenizer(tmp_path, capsys, text_fil
         "interactive-alone",
         "empty-key",
         "config-dir",
+        "char-vocab",
     ],
 )
 def test_usage_errors(tmp_path, capsys, argv, fragments):
