@@ -39,7 +39,6 @@ from pathlib import Path
 
 from configs.command_line import (
     command_line_settings,
-    plans_an_existing_run,
     run_dir_of,
     saved_run_config,
     settings_conflict,
@@ -271,11 +270,10 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
 
 
-def command_line_config(args: argparse.Namespace, for_plan: bool = False) -> Config:
+def command_line_config(args: argparse.Namespace) -> Config:
     """The config file with the command line's settings on top: the command line wins
     (argument_problem has refused a flag and a key=value pair that disagree). Where --input or
-    --dataset drops the file's other source of text, one line on stderr says so. `for_plan`:
-    the config --plan plans (an existing run's own, see plans_an_existing_run)."""
+    --dataset drops the file's other source of text, one line on stderr says so."""
     settings = command_line_settings(args)
     typed = {s.key: s.typed for s in settings}
 
@@ -286,7 +284,7 @@ def command_line_config(args: argparse.Namespace, for_plan: bool = False) -> Con
 
     pairs = [(s.key, s.value) for s in settings]
     path = resolve_config_path(args.config)
-    saved = saved_run_config(args, path, for_plan)
+    saved = saved_run_config(args, path)
     return load_config(path, pairs, on_replace=say_replaced, saved=saved)
 
 
@@ -319,8 +317,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plan:  # before anything else: what the stages that follow will cost
         from model.plan_stage import run_plan
 
-        planned = command_line_config(args, for_plan=True) if plans_an_existing_run(args) else cfg
-        run_plan(planned, run_dir, args.device, args.devices, args.json)
+        run_plan(cfg, run_dir, args.device, args.devices, args.json)
         if not (args.tokenize or args.train or args.inference or args.serve):
             return 0
     check_single_process_stages(args.tokenize, args.inference or args.serve)

@@ -146,20 +146,20 @@ def _same_value(a, b) -> bool:
     return a == b
 
 
-def plans_an_existing_run(args: argparse.Namespace) -> bool:
-    """--plan --out RUN without --config, where no stage rewrites the run: the plan is of the
-    model the run holds, not of the default config file's."""
-    return args.plan and args.out and args.config is None and not (args.tokenize or args.train)
+def reads_an_existing_run(args: argparse.Namespace) -> bool:
+    """--plan, --inference or --serve of `--out RUN` without --config, where no stage rewrites
+    the run: they take the run's own settings (its model, its [sample] and [serve]), not the
+    default config file's."""
+    reads = args.plan or args.inference or args.serve
+    return bool(reads and args.out and args.config is None and not (args.tokenize or args.train))
 
 
-def saved_run_config(
-    args: argparse.Namespace, default: Path, for_plan: bool = False
-) -> dict | None:
-    """--resume (or, `for_plan`, plans_an_existing_run) without --config: the config the run
-    was trained with (RUN/config.json, or where that is lost or damaged, the one its newest
-    checkpoint keeps), not the default file's, said in one line; None otherwise, or where the
-    run has none (the stage's own checks then say what is wrong with the run)."""
-    wanted = args.resume or (for_plan and plans_an_existing_run(args))
+def saved_run_config(args: argparse.Namespace, default: Path) -> dict | None:
+    """--resume (or reads_an_existing_run) without --config: the config the run was trained
+    with (RUN/config.json, or where that is lost or damaged, the one its newest checkpoint
+    keeps), not the default file's, said in one line when training; None otherwise, or where
+    the run has none (the stage's own checks then say what is wrong with the run)."""
+    wanted = args.resume or reads_an_existing_run(args)
     if not wanted or args.config is not None:
         return None
     from model.rundir.layout import CONFIG_FILE, read_checkpoint_config, read_saved_config
@@ -167,8 +167,9 @@ def saved_run_config(
     run_dir = run_dir_of(args, default.stem)
     config = read_saved_config(run_dir)
     if config is not None:
-        line = f"config: the run's own, {run_dir / CONFIG_FILE} (no --config given)"
-        print(printable(line), file=sys.stderr)
+        if args.resume:  # reading a run's settings needs no word; training on them does
+            line = f"config: the run's own, {run_dir / CONFIG_FILE} (no --config given)"
+            print(printable(line), file=sys.stderr)
         return config
     kept = read_checkpoint_config(run_dir)
     if kept is not None:

@@ -210,6 +210,25 @@ def test_a_flag_and_a_pair_of_equal_values_agree(argv):
     assert parse("--plan", *argv)  # argument_problem found none
 
 
+def test_sampling_a_run_without_config_takes_the_runs_own_settings(tmp_path, capsys):
+    # --inference --out RUN took the default config file's [sample], not the run's
+    saved = load_config(tinyllm.resolve_config_path("shakespeare_char")).to_dict()
+    saved["sample"]["top_k"], saved["serve"]["batch_size"] = 7, 3
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(saved))
+    for stage in ("--inference", "--serve"):
+        cfg, lines = command_line_config(capsys, stage, "--out", str(run))
+        assert (cfg.name, cfg.sample.top_k, cfg.serve.batch_size) == ("shakespeare_char", 7, 3)
+        assert lines == []  # no word needed: nothing is trained on it
+    cfg, _ = command_line_config(capsys, "--inference", "--out", str(run), "--top-k", "3")
+    assert cfg.sample.top_k == 3  # the command line still wins
+    cfg, _ = command_line_config(
+        capsys, "--inference", "--out", str(run), "--config", "shakespeare"
+    )
+    assert cfg.name == "shakespeare"  # and a config named
+
+
 def test_pairs_may_follow_any_flag():
     # a pair after a later flag was "unrecognized arguments: model.n_embd=64"
     args = parse("--plan", "model.n_layer=2", "--devices", "1", "model.n_embd=64")

@@ -185,8 +185,7 @@ def test_plan_of_a_run_without_config_is_the_runs_own_model(tmp_path, capsys):
     run_dir.mkdir()
     (run_dir / "config.json").write_text(json.dumps(saved))
     assert tinyllm.main(["--plan", "--json", "--device", "h100-sxm", "--out", str(run_dir)]) == 0
-    out, err = capsys.readouterr()
-    assert "config: the run's own" in err
+    out, _ = capsys.readouterr()
     elsewhere = ["--json", "--device", "h100-sxm", "--out", str(tmp_path / "none")]
     same_shape = plan_in_process(capsys, *elsewhere, *shape)
     default = plan_in_process(capsys, *elsewhere)
