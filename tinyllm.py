@@ -39,10 +39,12 @@ from pathlib import Path
 
 from configs.command_line import (
     command_line_settings,
+    refuse_dropped_settings,
     run_dir_of,
     saved_run_config,
     settings_conflict,
     split_list_overrides,
+    stage_flag_problem,
 )
 from configs.schema import (
     DEFAULT_CONFIG,
@@ -157,14 +159,9 @@ def argument_problem(args: argparse.Namespace, argv: list[str] | None = None) ->
         return "choose at least one stage: --tokenize, --train, --inference, --serve (or --plan)"
     if args.config is not None and not args.config.strip():
         return "--config needs a config's name or a path, got an empty one"
-    if (args.device or args.devices or args.json) and not args.plan:
-        return "--device, --devices and --json go with --plan"
-    if args.resume and not args.train:
-        return "--resume goes with --train (--inference and --serve always read the newest step)"
-    if (args.interactive or args.no_kv_cache) and not args.inference:
-        return "--interactive and --no-kv-cache go with --inference"
-    if args.api_key is not None and not args.api_key.strip():
-        return "--api-key is empty (an unset variable?): give the key, or leave the flag out"
+    problem = stage_flag_problem(args)
+    if problem:
+        return problem
     for item in args.overrides:
         if "=" not in item:
             return f"unexpected argument {item!r}: overrides are key=value"
@@ -292,23 +289,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = command_line_config(args)
     run_dir = run_dir_of(args, cfg.name)
     settings = command_line_settings(args)
-    typed = {s.key.removeprefix("model."): s.typed for s in settings if s.key.startswith("model.")}
-    vocab = next((s.typed for s in settings if s.key == "tokenizer.vocab_size"), None)
-    if vocab is not None and cfg.tokenizer.kind != "bpe":
-        raise UsageError(
-            f"{vocab}: the vocabulary size is a bpe tokenizer's to choose (a char tokenizer has "
-            "its text's characters, gpt2 its 50,257 tokens): drop it"
-        )
-    if cfg.init_from and typed and (args.train or args.inference or args.serve):
-        from model.interop.hf_import import refuse_shape_overrides  # the checkpoint's shape
-
-        refuse_shape_overrides(cfg.init_from, cfg.model, typed)
-    elif typed and (args.inference or args.serve) and not args.train:
-        shown = next(iter(typed.values()))
-        raise UsageError(
-            f"{shown}: --inference and --serve sample the run's model as it was trained (its "
-            "checkpoint decides every model.* value): drop it"
-        )
+    refuse_dropped_settings(args, cfg, settings)
     from model.processes.cpu_kernels import configure_cpu_kernels
     from model.processes.distributed import check_single_process_stages, multi_process_requested
 

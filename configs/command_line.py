@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from configs.schema import parse_override
 from plumbing.cli import printable
+from plumbing.errors import UsageError
 
 # flag -> dotted config key; flags are shorthands for config values.
 SHORTHANDS = {
@@ -132,6 +133,41 @@ def settings_conflict(settings: list[Setting]) -> str | None:
     if len(sources) == 2 and all(s.value for s in sources):
         return f"{sources[0].typed} and {sources[1].typed} both name the training text: give one"
     return None
+
+
+def stage_flag_problem(args: argparse.Namespace) -> str | None:
+    """A flag without the stage it is for (it would do nothing), or an empty --api-key."""
+    if (args.device or args.devices or args.json) and not args.plan:
+        return "--device, --devices and --json go with --plan"
+    if args.resume and not args.train:
+        return "--resume goes with --train (--inference and --serve always read the newest step)"
+    if (args.interactive or args.no_kv_cache) and not args.inference:
+        return "--interactive and --no-kv-cache go with --inference"
+    if args.api_key is not None and not args.api_key.strip():
+        return "--api-key is empty (an unset variable?): give the key, or leave the flag out"
+    return None
+
+
+def refuse_dropped_settings(args: argparse.Namespace, cfg, settings: list[Setting]) -> None:
+    """UsageError for a command-line setting that the stages asked for would drop: a
+    vocabulary size for a tokenizer that has its own, a model.* value where a checkpoint
+    decides the model (--init-from's, or the run's for --inference and --serve)."""
+    vocab = next((s.typed for s in settings if s.key == "tokenizer.vocab_size"), None)
+    if vocab is not None and cfg.tokenizer.kind != "bpe":
+        raise UsageError(
+            f"{vocab}: the vocabulary size is a bpe tokenizer's to choose (a char tokenizer has "
+            "its text's characters, gpt2 its 50,257 tokens): drop it"
+        )
+    typed = {s.key.removeprefix("model."): s.typed for s in settings if s.key.startswith("model.")}
+    if cfg.init_from and typed and (args.train or args.inference or args.serve):
+        from model.interop.hf_import import refuse_shape_overrides  # the checkpoint's shape
+
+        refuse_shape_overrides(cfg.init_from, cfg.model, typed)
+    elif typed and (args.inference or args.serve) and not args.train:
+        raise UsageError(
+            f"{next(iter(typed.values()))}: --inference and --serve sample the run's model as "
+            "it was trained (its checkpoint decides every model.* value): drop it"
+        )
 
 
 def _same_value(a, b) -> bool:
