@@ -16,7 +16,7 @@ import pytest
 
 from model.interop.families import FAMILIES, GPT2, LLAMA, QWEN3, family_for
 from model.interop.hf_format import EOT, hf_config_of, model_config_from_hf
-from model.interop.hf_import import load_hf_model
+from model.interop.hf_import import load_hf_model, save_hf_tokenizer
 from model.network.config import ModelConfig
 from model.rundir.trained import open_trained_run
 from plumbing.errors import UsageError
@@ -285,6 +285,10 @@ def test_a_tied_config_with_a_head_of_its_own_is_refused(hf, bpe4, tmp_path):
             continue
         with pytest.raises(UsageError, match=r"lm_head\.weight differs from model\.embed_tokens"):
             load_hf_model(str(directory))
+        # --train --init-from refuses it before anything is written (the tokenizer was)
+        with pytest.raises(UsageError, match=r"lm_head\.weight differs"):
+            save_hf_tokenizer(str(directory), tmp_path / "tokenizer.pkl")
+        assert not (tmp_path / "tokenizer.pkl").exists()
 
 
 def test_a_shape_override_the_checkpoint_decides_is_refused_not_dropped(

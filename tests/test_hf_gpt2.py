@@ -185,6 +185,7 @@ def test_inference_samples_gpt2_directly(hf, bpe, gpt2_dir, tmp_path, capsys):
         ("missing-tensor", "tensor transformer.h.1.mlp.c_fc.weight is missing"),
         ("wrong-shape", "has shape"),
         ("integer-tensor", "c_fc.weight holds I32 values, not weights"),
+        ("float8-tensor", "c_fc.weight holds F8_E4M3 values: float8 checkpoints are not read"),
         ("no-vocab", "tokenizer.json (or vocab.json) missing"),
     ],
 )
@@ -208,6 +209,13 @@ def test_a_directory_that_is_not_gpt2_is_one_line_and_exit_2(
             del tensors[key]
         else:  # the right shape, but counts rather than weights: never silently cast
             tensors[key] = np.round(tensors[key] * 100).astype(np.int32)
+        save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    elif breakage == "float8-tensor":  # passed the check, then a numpy traceback
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(bad / "model.safetensors")
+        key = "transformer.h.1.mlp.c_fc.weight"
+        tensors[key] = tensors[key].to(hf[0].float8_e4m3fn)
         save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     elif breakage == "no-vocab":
         (bad / "vocab.json").unlink()

@@ -189,15 +189,24 @@ def weight_headers(directory: Path) -> tuple[dict[str, tuple[tuple[int, ...], st
     return headers, _named(files, directory)
 
 
+FLOAT_KINDS = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes read
+
+
 def check_floating(
     headers: dict[str, tuple[tuple[int, ...], str]], family: Family, where: Path
 ) -> None:
     """UsageError when one of the checkpoint's weights (buffers aside; `headers` from
-    weight_headers) is not floating point: an integer or boolean tensor of the right shape is
-    no weight, and is never cast to one."""
+    weight_headers) is not float16, bfloat16, float32 or float64: an integer or boolean tensor
+    of the right shape is no weight, and is never cast to one; float8 weights come with
+    scales this reader does not apply (and numpy cannot hold them)."""
     kinds = canonical(family, {k: kind for k, (_, kind) in headers.items()})
     for key, kind in kinds.items():
-        if not kind.startswith(("F", "BF")):  # "F32", "BF16", "F8_E4M3"; "I32", "BOOL"
+        if kind.startswith("F8"):
+            raise UsageError(
+                f"{where}: tensor {key} holds {kind} values: float8 checkpoints are not read "
+                "(convert it to bfloat16 or float32 first)"
+            )
+        if kind not in FLOAT_KINDS:  # "I32", "BOOL"
             raise UsageError(f"{where}: tensor {key} holds {kind} values, not weights")
 
 
@@ -240,6 +249,24 @@ def check_tensor_shapes(
         raise UsageError(f"{where}: unexpected tensor {extra[0]}: not a {family.name} checkpoint")
 
 
+def ties_a_stored_head(names, family: Family, cfg: ModelConfig) -> bool:
+    """Whether config.json ties the head while the file (canonical `names`) stores one."""
+    return cfg.tie_embeddings and vocab_tensors(family)[1] in names
+
+
+def check_tied_head(tensors: dict[str, Any], family: Family, cfg: ModelConfig, where) -> None:
+    """UsageError when config.json ties the head and the file's (canonical) head differs from
+    its embedding: transformers would run the file's head, so it is refused, not dropped."""
+    embedding, head = vocab_tensors(family)
+    if ties_a_stored_head(tensors, family, cfg) and not np.array_equal(
+        tensors[head], tensors[embedding]
+    ):
+        raise UsageError(
+            f"{where}: {head} differs from {embedding}, though config.json ties them "
+            "(tie_word_embeddings): set it to false to load the head as its own"
+        )
+
+
 def params_from_hf(
     tensors: dict[str, np.ndarray],
     family: Family,
@@ -253,16 +280,7 @@ def params_from_hf(
     tensors = canonical(family, tensors)
     shapes = {k: v.shape for k, v in tensors.items()}
     check_tensor_shapes(shapes, expected_tensors(family, hf, cfg, params_like), family, where)
-    embedding, head = vocab_tensors(family)
-    if (
-        cfg.tie_embeddings
-        and head in tensors
-        and not np.array_equal(tensors[head], tensors[embedding])
-    ):  # transformers would run the file's head: refused rather than silently not
-        raise UsageError(
-            f"{where}: {head} differs from {embedding}, though config.json ties them "
-            "(tie_word_embeddings): set it to false to load the head as its own"
-        )
+    check_tied_head(tensors, family, cfg, where)
     ours = _layout(family).to_ours(tensors, hf, flat_shapes(params_like))
 
     def fill(path_key, like):

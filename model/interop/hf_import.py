@@ -34,6 +34,7 @@ from model.interop.hf_format import (
     canonical,
     check_floating,
     check_tensor_shapes,
+    check_tied_head,
     expected_tensors,
     flat_shapes,
     model_config_from_hf,
@@ -41,6 +42,7 @@ from model.interop.hf_format import (
     read_hf_config,
     read_weights,
     require_files,
+    ties_a_stored_head,
     tokenizer_files,
     vocab_tensors,
     weight_files,
@@ -219,4 +221,7 @@ def save_hf_tokenizer(name: str, path: Path, base: ModelConfig | None = None) ->
     shapes = _cut_vocab(shapes, family, model_cfg.vocab_size)
     check_tensor_shapes(shapes, expected, family, where)
     check_floating(headers, family, where)
+    if ties_a_stored_head(canonical(family, headers), family, model_cfg):  # values: read them
+        tensors = _cut_vocab(read_weights(directory)[0], family, model_cfg.vocab_size)
+        check_tied_head(tensors, family, model_cfg, where)
     tokenizer.save(path)
