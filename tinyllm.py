@@ -391,12 +391,13 @@ def run_writing_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
 
         folder = compilation_cache_folder()
         programs = ProgramCache(folder / "programs") if folder is not None else None
-        settings = command_line_settings(args)
-        data_given = {s.key.removeprefix("data.") for s in settings if s.key.startswith("data.")}
+        # The keys the command line set (a tokenizer made in this call is made from them).
+        given = {s.key for s in command_line_settings(args)}
+        if args.tokenize:
+            given = {key for key in given if not key.startswith("tokenizer.")}
         run_train(
-            cfg, run_dir, resume=args.resume, started=STARTED, programs=programs,
-            data_given=data_given,
-        )  # fmt: skip
+            cfg, run_dir, resume=args.resume, started=STARTED, programs=programs, given=given
+        )
         print(f"tinyllm: {time.perf_counter() - STARTED:.1f} s since start", file=sys.stderr)
 
 

@@ -149,9 +149,16 @@ def stage_flag_problem(args: argparse.Namespace) -> str | None:
 
 
 def refuse_dropped_settings(args: argparse.Namespace, cfg, settings: list[Setting]) -> None:
-    """UsageError for a command-line setting that the stages asked for would drop: a
-    vocabulary size for a tokenizer that has its own, a model.* value where a checkpoint
-    decides the model (--init-from's, or the run's for --inference and --serve)."""
+    """UsageError for a command-line setting that the stages asked for would drop: tokenizer
+    settings for sampling or --init-from (--train checks them against the run's tokenizer:
+    model.train_stage), a vocabulary size for a tokenizer that has its own, a model.* value
+    where a checkpoint decides the model (--init-from's, or the run's for sampling)."""
+    tokenizer = [s.typed for s in settings if s.key.startswith("tokenizer.")]
+    if tokenizer and not args.tokenize and (args.inference or args.serve or cfg.init_from):
+        raise UsageError(
+            f"{tokenizer[0]}: tokenizer settings take effect with --tokenize; a run samples, "
+            "and --init-from trains, with the tokenizer it has: drop it"
+        )
     vocab = next((s.typed for s in settings if s.key == "tokenizer.vocab_size"), None)
     if vocab is not None and cfg.tokenizer.kind != "bpe":
         raise UsageError(

@@ -66,12 +66,13 @@ def run_train(
     resume: bool = False,
     started: float | None = None,
     programs: ProgramCache | None = None,
-    data_given: Collection[str] | None = None,
+    given: Collection[str] | None = None,
 ) -> dict:
     """Train the model of `cfg` on the run's tokenizer and corpus; returns the final metrics.
-    `programs` keeps the compiled programs for the next run of this config. `data_given`: the
-    data fields the command line set, which a resumed run checks against its own (the config
-    file's yield to the run's; model.training.resume.resumed_data).
+    `programs` keeps the compiled programs for the next run of this config. `given`: the
+    dotted keys the command line set: its data fields a resumed run checks against its own
+    (the config file's yield to the run's; model.training.resume.resumed_data), its tokenizer
+    fields the run's tokenizer (check_tokenizer_settings).
 
     The caller holds the run directory's lock (model.rundir.lock): this is its only writer.
     """
@@ -82,6 +83,7 @@ def run_train(
     # XLA flags are read when JAX starts its backend, which nothing has touched yet.
     configure_determinism(cfg.train.deterministic)
     initialize_from_env()  # several processes: meet the others before JAX starts
+    check_tokenizer_settings(cfg, tokenizer, _fields_of(given or (), "tokenizer."))
     if (note := tokenizer_note(cfg, tokenizer)) is not None and is_primary():
         print(note, file=sys.stderr)
     tokenizer_sha = file_sha256(run_dir / TOKENIZER_FILE)
@@ -103,6 +105,7 @@ def run_train(
             remove_cache_leftovers(run_dir)
         saved = newest_readable_meta(checkpoints, run_dir) if resume else None
         if saved is not None:
+            data_given = None if given is None else _fields_of(given, "data.")
             data = resumed_data(cfg.data, saved, data_given)
             if (note := data_note(cfg.data, data)) is not None and is_primary():
                 print(note, file=sys.stderr)
@@ -242,11 +245,35 @@ def _resolved(cfg: Config, model_cfg: ModelConfig, tokenizer: Tokenizer) -> dict
 def _as_trained(cfg: Config, tokenizer: Tokenizer) -> dict:
     """The [tokenizer] section as the run's tokenizer is: --train uses the one an earlier
     --tokenize made, whatever the config file says now."""
+    from tokenizer.pretokenize import PATTERNS
+
     out = dataclasses.asdict(cfg.tokenizer)
     kind = "char" if tokenizer.kind == "char" else ("gpt2" if out["kind"] == "gpt2" else "bpe")
     specials = sorted(tokenizer.special_tokens, key=tokenizer.special_tokens.get)
     out.update(kind=kind, vocab_size=tokenizer.vocab_size, special_tokens=specials)
+    names = [name for name, regex in PATTERNS.items() if regex == getattr(tokenizer, "pattern", "")]
+    out["pattern"] = names[0] if names else out["pattern"]  # a char tokenizer has none
     return out
+
+
+def _fields_of(keys: Collection[str], prefix: str) -> set[str]:
+    return {key.removeprefix(prefix) for key in keys if key.startswith(prefix)}
+
+
+def check_tokenizer_settings(cfg: Config, tokenizer: Tokenizer, given: Collection[str]) -> None:
+    """UsageError where the command line set a tokenizer field (`given`) to another value
+    than the run's tokenizer has: it would be dropped (--tokenize makes a tokenizer)."""
+    trained = _as_trained(cfg, tokenizer)
+    for name in sorted(given):
+        ours = getattr(cfg.tokenizer, name)
+        # a BPE asked for more tokens than its text could fill has fewer: still this one
+        filled = name == "vocab_size" and trained["kind"] == "bpe" and ours > trained[name]
+        if ours != trained[name] and not filled:
+            raise UsageError(
+                f"tokenizer.{name} is {ours!r} on the command line but {trained[name]!r} in the "
+                "run's tokenizer: tokenizer settings take effect with --tokenize (drop it, or "
+                "train a new run in another --out)"
+            )
 
 
 def tokenizer_note(cfg: Config, tokenizer: Tokenizer) -> str | None:

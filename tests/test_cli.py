@@ -212,6 +212,16 @@ def test_retraining_a_trained_run_is_refused(trained_char_run, capsys, text_file
     assert (trained_char_run / "tokenizer.pkl").read_bytes() == before
 
 
+def test_tokenizer_settings_that_would_be_dropped_are_refused(trained_char_run, capsys, text_file):
+    # each was accepted, and --train recorded the setting in config.json as if used
+    train = ["--train", "--resume", "--config", "shakespeare_char", "--input", text_file]
+    code, lines = run_main(capsys, *train, "--out", trained_char_run, "--tokenizer", "bpe")
+    assert_one_line_error(code, lines, "tokenizer.kind is 'bpe' on the command line but 'char'")
+    sample = ["--inference", "--out", trained_char_run, "--prompt", "Ro", "tokenizer.pattern=gpt4"]
+    code, lines = run_main(capsys, *sample)
+    assert_one_line_error(code, lines, "tokenizer.pattern=gpt4: tokenizer settings take effect")
+
+
 def test_three_stages_end_to_end(tmp_path, text_file):
     """python tinyllm.py --tokenize --train --inference on a tiny BPE config, as a user runs it."""
     out = tmp_path / "run"
