@@ -223,9 +223,7 @@ TRAIN_TINY = [
     "model.moe_experts=4",
     "model.moe_top_k=2",
     "model.moe_capacity_factor=0.5",
-    # The Trainer runs the model with deterministic=False (the capacity path) only when
-    # dropout is on; dropout keeps the dropped-token logging under test.
-    "model.dropout=0.1",
+    # No dropout: training still takes the capacity path (it was dropless at dropout 0).
     "train.batch_size=4",
     "train.warmup_steps=2",
     "train.log_interval=1",

@@ -92,9 +92,10 @@ def training_loss(graphdef, rest, train_cfg: TrainConfig):
 
     def loss(params, x_BxT, y_BxT, key):
         model = nnx.merge(graphdef, forward_weights(params, train_cfg), rest)
-        dropout = model.cfg.dropout > 0
-        rngs = nnx.Rngs(dropout=key) if dropout else None
-        logits, aux = model.forward_with_aux(x_BxT, deterministic=not dropout, rngs=rngs)
+        rngs = nnx.Rngs(dropout=key) if model.cfg.dropout > 0 else None
+        # Training mode whatever the dropout: MoE experts' capacity applies too (at dropout 0
+        # it was left dropless); a dropout of 0 draws nothing, so no key is needed then.
+        logits, aux = model.forward_with_aux(x_BxT, deterministic=False, rngs=rngs)
         ce = cross_entropy(logits, y_BxT)
         # Auxiliary entries named *_loss (MoE load balance, router z-loss) come already
         # weighted and join the objective; others (e.g. dropped-token counts) are only logged.
