@@ -395,9 +395,7 @@ def run_writing_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
         given = {s.key for s in command_line_settings(args)}
         if args.tokenize:
             given = {key for key in given if not key.startswith("tokenizer.")}
-        run_train(
-            cfg, run_dir, resume=args.resume, started=STARTED, programs=programs, given=given
-        )
+        run_train(cfg, run_dir, resume=args.resume, started=STARTED, programs=programs, given=given)
         print(f"tinyllm: {time.perf_counter() - STARTED:.1f} s since start", file=sys.stderr)
 
 

@@ -30,7 +30,7 @@ from model.network.precision import bf16_operand_linears
 from model.processes.determinism import configure_determinism
 from model.processes.distributed import initialize_from_env, is_primary, wait_for_primary
 from model.rundir.checkpoints import Checkpoints
-from model.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, check_run_dir
+from model.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, check_run_dir, read_saved_config
 from model.training.data import (
     TokenSplits,
     check_splits,
@@ -43,6 +43,7 @@ from model.training.resume import (
     check_compatible,
     check_same_corpus,
     check_same_optimizer,
+    check_same_origin,
     check_steps_left,
     data_note,
     newest_readable_meta,
@@ -79,6 +80,8 @@ def run_train(
     run_dir = Path(run_dir)
     # A tracker whose package is missing: one line now, not after the corpus is encoded.
     require_tracker(cfg.train.tracker)
+    if resume:
+        check_same_origin(cfg.init_from, read_saved_config(run_dir))
     tokenizer = _run_tokenizer(cfg, run_dir, resume)
     # XLA flags are read when JAX starts its backend, which nothing has touched yet.
     configure_determinism(cfg.train.deterministic)

@@ -18,6 +18,7 @@ from plumbing.errors import UsageError
 # only the low 32 bits of a larger seed without x64, and numpy refuses negative ones).
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**32 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 
 
 def positive(key: str, value: int | float) -> None:
@@ -36,9 +37,20 @@ def non_negative(key: str, value: int | float) -> None:
         at_most(key, value, INT32_MAX)
 
 
+def is_float32(value) -> bool:
+    """A number (not a bool) that float32 holds: settings reach JAX as float32, where 1e300
+    would be inf."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def finite(key: str, value: float) -> None:
-    if not math.isfinite(value):
-        raise UsageError(f"{key} must be a finite number, got {value}")
+    if not is_float32(value):
+        raise UsageError(f"{key} must be a finite number (float32: below 3.4e38), got {value}")
 
 
 def at_most(key: str, value: int | float, limit: int) -> None:

@@ -154,6 +154,10 @@ def test_round_trip_through_dict():
         ("serve.stream_interval_s=-0.5", "serve.stream_interval_s must be >= 0"),
         ("serve.stream_interval_s=inf", "serve.stream_interval_s must be a finite number"),
         ("train.muon_ns_steps=1000000", "train.muon_ns_steps must be at most 50"),
+        # finite in Python, inf as float32 (the softcap's NaN losses came with numpy warnings)
+        ("model.logit_softcap=1e300", "model.logit_softcap must be a finite number >= 0"),
+        ("train.learning_rate=1e39", "train.learning_rate must be a finite number"),
+        ("model.moe_z_weight=1e300", "model.moe_z_weight must be a finite number"),
         ("name=..", "config name '..' must be a plain, non-empty name"),  # runs/.. escaped
         ("name=.", "must be a plain, non-empty name"),
         ("model.vocab_size=5", "model.vocab_size cannot be set: it comes from the tokenizer"),

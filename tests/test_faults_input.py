@@ -368,6 +368,19 @@ def test_model_too_big_for_memory_is_refused_before_allocating(tmp_path, capsys,
         assert not (out / name).exists(), name
 
 
+def test_a_validation_batch_too_big_for_memory_is_refused_before_allocating(
+    tmp_path, capsys, text_file
+):
+    # train.eval_batch_size=10**8 (755 GB of logits) was accepted, then killed by the OOM killer
+    out = tmp_path / "run"
+    code, lines = run_main(
+        capsys, "--tokenize", "--train", *CHAR, "--input", text_file, "--out", out,
+        "train.eval_batch_size=100000000",
+    )  # fmt: skip
+    assert_one_line_error(code, lines, "per validation batch", "lower train.eval_batch_size")
+    assert not (out / "tokenizer.pkl").exists()
+
+
 def test_validation_split_shorter_than_the_context_is_refused_before_training(
     tmp_path, capsys, text_file
 ):

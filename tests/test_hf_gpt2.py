@@ -272,6 +272,13 @@ def test_finetune_from_gpt2_then_resume_and_sample_the_run(
         capsys, "--inference", "--out", run, "--prompt", "to be", "--max-new-tokens", "4"
     )
     assert code == 0 and out.startswith("to be"), err
+    # --resume with another --init-from: ignored, then recorded as the run's origin
+    other = tmp_path / "other"
+    shutil.copytree(directory, other)
+    again = finetune_argv(other, corpus, run)
+    code, _, err = run_cli(capsys, *again, "--resume", *settings, "train.max_steps=4")
+    assert_one_line_error(code, err, "tinyllm", f"--init-from {other}: this run started from")
+    assert json.loads((run / "config.json").read_text())["init_from"] == str(directory)
 
 
 # -- GPT-2 as released (no weights needed: its config, tensor names and tokenizer files) -----

@@ -167,7 +167,16 @@ def _set(path: str, value):
     return change
 
 
+def _share_an_id(document):
+    vocab = document["model"]["vocab"]
+    first, second = list(vocab)[:2]
+    vocab[second] = vocab[first]  # one of them would vanish: the ids then had a gap
+    return document
+
+
 NOT_GPT2 = {
+    "shared-id": (_share_an_id, "share the id 0"),
+    "list-pre-tokenizer": (_set("pre_tokenizer", [1]), "pre_tokenizer [1] is not ByteLevel"),
     "wordpiece": (_wordpiece, "model type WordPiece is not byte-level BPE"),
     "whitespace": (_set("pre_tokenizer", {"type": "Whitespace"}), "pre_tokenizer Whitespace"),
     "no-decoder": (_set("decoder", None), "decoder None is not ByteLevel"),

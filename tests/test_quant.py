@@ -94,6 +94,17 @@ def test_ptq_run_directory_samples_with_inference(tmp_path, capsys, trained_run,
     assert_one_line_error(code, capsys.readouterr().err.splitlines(), "tinyllm", "quantized")
 
 
+def test_quantize_run_dot_writes_beside_it(tmp_path, capsys, trained_run, monkeypatch):
+    # `--run .` had no name to add -int8 to: a ValueError traceback
+    import shutil
+
+    shutil.copytree(trained_run, tmp_path / "mine")
+    monkeypatch.chdir(tmp_path / "mine")
+    code, lines = run_quantize(capsys, "--run", ".", "--bits", 8)
+    assert code == 0, lines
+    assert (tmp_path / "mine-int8" / QUANT_FILE).is_file()
+
+
 def test_qat_fine_tune_exports_what_training_saw(tmp_path, capsys, corpus_file, trained_run):
     run_dir = tmp_path / "qat"  # a copy of the float32 run, fine-tuned with QAT (--resume)
     shutil.copytree(trained_run, run_dir)

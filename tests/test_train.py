@@ -222,6 +222,28 @@ def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, corpus_file):
     assert Checkpoints(run_dir).latest_step() == 4
 
 
+def test_a_checkpoint_step_that_is_not_logged_is_checked_before_it_is_saved(tmp_path, corpus_file):
+    # checkpoints every 2 steps, logs and evaluates every 4: step 2's NaN weights were saved,
+    # then sampled from and resumed
+    _, run_dir = tokenized_run(tmp_path, corpus_file)
+    wild = tiny_config(
+        corpus_file, "train.learning_rate=1e30", "train.warmup_steps=0", "train.max_steps=8",
+        "train.checkpoint_interval=2", "train.log_interval=4", "train.eval_interval=4",
+    )  # fmt: skip
+    with pytest.raises(TrainingDiverged, match="at step 2: training stopped"):
+        run_train(wild, run_dir)
+    assert Checkpoints(run_dir).latest_step() is None
+
+
+def test_a_diverged_auxiliary_metric_is_named():
+    from model.training.loop import check_finite
+
+    with pytest.raises(TrainingDiverged, match=r"^mtp_loss \(the loss is 4\.06\) became inf"):
+        check_finite(8, {"loss": 4.06, "mtp_loss": float("inf")})
+    with pytest.raises(TrainingDiverged, match=r"^the loss became nan at step 3"):
+        check_finite(3, {"loss": float("nan"), "grad_norm": float("inf")})
+
+
 def test_train_without_tokenizer_is_a_usage_error(tmp_path, corpus_file):
     with pytest.raises(UsageError, match="no tokenizer in"):
         run_train(tiny_config(corpus_file), tmp_path / "empty")

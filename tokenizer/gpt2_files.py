@@ -87,6 +87,7 @@ def read_gpt2_files(
         raise UsageError(f"cannot read GPT-2 tokenizer files: {exc}") from None
     if not isinstance(encoder, dict) or not all(isinstance(i, int) for i in encoder.values()):
         raise UsageError(f"{vocab_json}: not a GPT-2 vocab.json (expected {{token: id}})")
+    _check_unique_ids(encoder, vocab_json)
     vocab: Vocab = {}
     literal: dict[str, int] = {}
     for text, idx in encoder.items():
@@ -230,6 +231,7 @@ def read_tokenizer_json(
     encoder, pairs = model.get("vocab"), model.get("merges")
     if not isinstance(encoder, dict) or not all(isinstance(i, int) for i in encoder.values()):
         raise UsageError(f"{path}: model.vocab is not {{token: id}}")
+    _check_unique_ids(encoder, path)
     if not isinstance(pairs, list):
         raise UsageError(f"{path}: model.merges is not a list")
     vocab: Vocab = {}
@@ -266,6 +268,21 @@ def _kind(section: object) -> str | None:
     return section.get("type") if isinstance(section, dict) else None
 
 
+def _shown(section: object) -> str:
+    """A section as an error names it: its type, or what it is when it has none."""
+    kind = _kind(section)
+    return str(kind) if kind is not None else repr(section)[:40]
+
+
+def _check_unique_ids(encoder: dict[str, int], where) -> None:
+    """UsageError naming two tokens that share an id (one would vanish from the vocab)."""
+    owner: dict[int, str] = {}
+    for text, idx in encoder.items():
+        if idx in owner:
+            raise UsageError(f"{where}: tokens {owner[idx]!r} and {text!r} share the id {idx}")
+        owner[idx] = text
+
+
 def _split_then_byte_level(pre: object) -> tuple[str | None, object]:
     """(the regex, the ByteLevel part) of a Sequence [Split(regex, Isolated), ByteLevel]
     pre-tokenizer (Llama 3's, Qwen's); (None, pre) for any other."""
@@ -289,8 +306,8 @@ def _byte_level_pattern(document: dict, model: dict, path: str | os.PathLike) ->
     decoder, kind = document.get("decoder"), _kind
     problems = [
         (model_type != "BPE", f"model type {model_type} is not byte-level BPE"),
-        (kind(pre) != "ByteLevel", f"pre_tokenizer {kind(pre)} is not ByteLevel"),
-        (kind(decoder) != "ByteLevel", f"decoder {kind(decoder)} is not ByteLevel"),
+        (kind(pre) != "ByteLevel", f"pre_tokenizer {_shown(pre)} is not ByteLevel"),
+        (kind(decoder) != "ByteLevel", f"decoder {_shown(decoder)} is not ByteLevel"),
         (
             document.get("normalizer") is not None and kind(document["normalizer"]) != "NFC",
             f"normalizer {kind(document.get('normalizer'))} is not supported (NFC is)",

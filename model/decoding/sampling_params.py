@@ -8,16 +8,15 @@ that the config schema, which holds them, loads without JAX (`tinyllm.py --help`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from plumbing import checks
 from plumbing.errors import UsageError
 
 SEED_MAX = 2**31 - 1  # seeds reach the compiled programs as int32: one range everywhere
 TOP_K_MAX = 2**31 - 1  # top_k reaches them as int32 too (larger means "off" anyway)
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # temperature and top_p reach them as float32
 
 
 @dataclass(frozen=True)
@@ -68,11 +67,10 @@ def _is_number(value) -> bool:
 
 
 def _is_float32(value) -> bool:
-    """A number that float32 holds (finite once converted)."""
-    try:
-        return _is_number(value) and math.isfinite(value) and abs(value) <= FLOAT32_MAX
-    except OverflowError:  # an int too large for a float
-        return False
+    """A number that float32 holds (finite once converted): numpy's scalars too."""
+    if isinstance(value, np.integer | np.floating):
+        value = value.item()
+    return checks.is_float32(value)
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from plumbing import checks
 from plumbing.errors import UsageError
 from plumbing.typed_data import from_plain
 
@@ -289,7 +290,7 @@ class ModelConfig:
                 f"{MAX_DIM}), got {hidden!r}"
             )
         cap = self.logit_softcap
-        if isinstance(cap, bool) or not (isinstance(cap, (int, float)) and 0 <= cap < math.inf):
+        if not (checks.is_float32(cap) and cap >= 0):
             raise UsageError(
                 f"model.logit_softcap must be a finite number >= 0 (0 = off), got {cap!r}"
             )
@@ -297,7 +298,7 @@ class ModelConfig:
             raise UsageError(
                 f"model.position='rope' needs an even head dim, got n_embd/n_head = {self.head_dim}"
             )
-        if not (isinstance(self.rope_theta, (int, float)) and 0 < self.rope_theta < math.inf):
+        if not (checks.is_float32(self.rope_theta) and self.rope_theta > 0):
             raise UsageError(
                 f"model.rope_theta must be a finite number > 0, got {self.rope_theta!r}"
             )
@@ -314,7 +315,7 @@ class ModelConfig:
                 f"model.block_size - 2, so that a target lies in the window), got {k!r}"
             )
         w = self.mtp_weight
-        if isinstance(w, bool) or not (isinstance(w, (int, float)) and 0.0 <= w < math.inf):
+        if not (checks.is_float32(w) and w >= 0):
             raise UsageError(f"model.mtp_weight must be a finite number >= 0, got {w!r}")
 
     def _check_moe(self) -> None:
@@ -345,7 +346,7 @@ class ModelConfig:
             )
         for name in ("moe_aux_weight", "moe_z_weight", "moe_capacity_factor"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
+            if not (checks.is_float32(value) and value >= 0):
                 raise UsageError(f"model.{name} must be a finite number >= 0, got {value!r}")
 
 

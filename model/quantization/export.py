@@ -57,7 +57,8 @@ def quantize_run(
             file=sys.stderr,
         )
 
-    out_dir = Path(out_dir) if out_dir else run_dir.with_name(f"{run_dir.name}-int{bits}")
+    whole = Path(run_dir).resolve()  # `--run .` has no name to put -intN after
+    out_dir = Path(out_dir) if out_dir else whole.with_name(f"{whole.name}-int{bits}")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UsageError(f"{out_dir} already exists: pick another --out or delete it")
     # Build the whole directory beside its destination, then rename: never half written.

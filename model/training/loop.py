@@ -69,6 +69,23 @@ class LoopState:
         self.spent[what] = self.spent.get(what, 0.0) + time.perf_counter() - since
 
 
+def check_finite(step: int, metrics: dict) -> dict[str, float]:
+    """The step's metrics as floats; TrainingDiverged naming the first that is not finite
+    (the loss, else e.g. grad_norm or an auxiliary loss, whose weight may be the cause)."""
+    values = {k: float(v) for k, v in metrics.items()}
+    bad = [k for k, v in values.items() if not math.isfinite(v)]
+    if bad:
+        name = "loss" if "loss" in bad else bad[0]
+        what = "the loss" if name == "loss" else f"{name} (the loss is {values['loss']:.4g})"
+        raise TrainingDiverged(
+            f"{what} became {values[name]} at step {step}: training stopped; the last good "
+            "checkpoint is kept (lower train.learning_rate or raise train.warmup_steps"
+            + ("" if name == "loss" else f", or the weight of what {name} measures")
+            + ")"
+        )
+    return values
+
+
 class TrainingLoop:
     """Runs `trainer`'s step from `state` (its step or 0) to train.max_steps; `meta`
     (resolved config, tokenizer hash, corpus fingerprint) goes with each checkpoint."""
@@ -163,6 +180,7 @@ class TrainingLoop:
             is_eval = s.step % t.eval_interval == 0 or s.step == t.max_steps
             if is_eval or s.step % t.checkpoint_every == 0:
                 self._flush()  # the NaN check, before anything is saved
+                check_finite(s.step, jax.device_get(metrics))  # this step's, logged or not
                 if is_eval:
                     since = time.perf_counter()
                     self._evaluate()
@@ -185,12 +203,7 @@ class TrainingLoop:
         self.bar.advance_to(record["step"], status)
 
     def _train_record(self, step: int, metrics: dict) -> dict:
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not all(math.isfinite(v) for v in values.values()):
-            raise TrainingDiverged(
-                f"the loss became {values['loss']} at step {step}: training stopped; the last "
-                "good checkpoint is kept (lower train.learning_rate or raise train.warmup_steps)"
-            )
+        values = check_finite(step, jax.device_get(metrics))
         now = time.perf_counter()
         since_time, since_step = self.state.rate_since
         # The steps' real batches (train.batch_size_schedule's sizes), not the full one.

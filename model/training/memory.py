@@ -74,16 +74,19 @@ def check_training_memory(model_cfg: ModelConfig, train_cfg, note: bool = True) 
     have = available_bytes(device)
     if have is None:
         return
-    rows = train_cfg.micro_batch
+    # The evaluation's batch holds its logits and attention too, beside the training state.
+    rows = max(train_cfg.micro_batch, train_cfg.eval_rows)
+    batch = "per micro-batch" if rows == train_cfg.micro_batch else "per validation batch"
     if device.platform == "cpu":
         copies = 1.0 if train_cfg.fsdp else n
         quick = training_bytes(model_cfg, rows, copies, train_cfg.optimizer)
         if quick > have:
+            advice = _ADVICE if batch == "per micro-batch" else "lower train.eval_batch_size"
             raise UsageError(
                 f"this model needs at least {human_bytes(quick)} to train (about "
                 f"{model_cfg.approx_params():,} parameters, context {model_cfg.block_size}, "
-                f"{rows} sequences per micro-batch), more than the {human_bytes(have)} of "
-                f"available memory: {_ADVICE}"
+                f"{rows} sequences {batch}), more than the {human_bytes(have)} of "
+                f"available memory: {advice}"
             )
         if quick <= PLAN_SHARE * have:
             return

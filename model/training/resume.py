@@ -64,6 +64,20 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, tokenizer_sha: str) -> 
 _DATA_FIELDS = ("input", "dataset", "dataset_config", "split", "text_field", "val_fraction")
 
 
+def check_same_origin(init_from: str, saved: dict | None) -> None:
+    """A resumed run continues its own weights: an --init-from other than the checkpoint it
+    started from (recorded in its config.json) would be ignored, then recorded as its origin."""
+    if not init_from or saved is None:
+        return
+    origin = saved.get("init_from") or ""
+    if origin != init_from:
+        started = f"started from {origin}" if origin else "was trained from scratch"
+        raise UsageError(
+            f"--init-from {init_from}: this run {started}, and --resume continues its own "
+            "weights: drop --init-from (or fine-tune it in another --out)"
+        )
+
+
 def check_same_optimizer(meta: dict, train_cfg) -> None:
     """A resumed run continues its checkpoint's optimizer state: the same settings that shape
     it (optim.state_settings: train.optimizer, and with Muon its orthogonaliser and NorMuon).
