@@ -76,6 +76,19 @@ def test_local_dataset_files_through_the_hf_loader(tmp_path, kind):
     assert text == expected
 
 
+def test_a_hub_dataset_says_it_is_reached_for_and_fails_in_one_line(monkeypatch, capsys):
+    # offline, the hub client retried for about 25 s with a warning line per retry
+    datasets = pytest.importorskip("datasets")
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'someone/stories' on the Hub (offline)\nmore")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(UsageError, match=r"^cannot open dataset 'someone/stories': Couldn't reach"):
+        dataset_corpus("someone/stories").read_text()
+    assert capsys.readouterr().err == "dataset: opening someone/stories on the Hugging Face hub\n"
+
+
 def test_dataset_missing_field(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"story": "x"}) + "\n")

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,8 +226,9 @@ def _open_dataset(name: str, config: str, split: str):
                 builder, data_files={split: str(path)}, split=split, streaming=True, **kwargs
             )
         # The hub client logs each retry of an unreachable hub (about 25 s in all) as a
-        # warning line; the failure itself is the one line below.
+        # warning line; one line says what is being waited for, the failure is one more.
         logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+        print(f"dataset: opening {name} on the Hugging Face hub", file=sys.stderr, flush=True)
         return datasets.load_dataset(name, config or None, split=split, streaming=True)
     except UsageError:
         raise
