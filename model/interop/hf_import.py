@@ -51,7 +51,7 @@ from model.interop.hf_format import (
 from model.network.config import ModelConfig
 from model.network.gpt import GPT
 from model.network.params import abstract_model
-from plumbing.errors import UsageError
+from plumbing.errors import UsageError, first_line
 from tokenizer import BPETokenizer
 
 
@@ -83,7 +83,7 @@ def resolve_hf_dir(name: str) -> Path:
                             MERGES_TXT],
         )  # fmt: skip
     except Exception as err:  # offline, unknown repo, no huggingface_hub: all one answer
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise UsageError(
             f"--init-from {name}: not a local directory, and fetching it from the Hugging Face "
             f"hub failed ({first})"

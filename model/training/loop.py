@@ -180,7 +180,8 @@ class TrainingLoop:
             is_eval = s.step % t.eval_interval == 0 or s.step == t.max_steps
             if is_eval or s.step % t.checkpoint_every == 0:
                 self._flush()  # the NaN check, before anything is saved
-                check_finite(s.step, jax.device_get(metrics))  # this step's, logged or not
+                if s.record.get("step") != s.step:  # not a logged step: check its metrics too
+                    check_finite(s.step, jax.device_get(metrics))
                 if is_eval:
                     since = time.perf_counter()
                     self._evaluate()

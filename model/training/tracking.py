@@ -25,7 +25,7 @@ from typing import Protocol
 
 from model.processes.distributed import is_primary
 from plumbing.atomic import write_atomic
-from plumbing.errors import UsageError
+from plumbing.errors import UsageError, first_line
 
 TRACKERS = ("none", "tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"  # RUN/tensorboard/: event files (tensorboard --logdir)
@@ -141,7 +141,7 @@ class WandbTracker:
                 settings=wandb.Settings(console="off"),
             )
         except wandb.errors.Error as err:  # not logged in, no network: the user's to fix
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = first_line(err)
             raise UsageError(
                 f"train.tracker=wandb: {first} (WANDB_MODE=offline logs to {folder} for a "
                 "later `wandb sync`)"
