@@ -361,6 +361,46 @@ def test_chunks_of_one_shape_read_the_attended_slots_the_chunk_before_left(engin
     assert counts["copies"] == 2, counts  # 32 slots from the admission, then 64 (BLOCK)
 
 
+def test_requests_that_end_by_length_run_no_step_past_their_max_tokens(engine):
+    # The engine counts the steps it launched for each request: a row sits out once they
+    # cover its max_tokens, and a chunk is no longer than the longest remaining need (it
+    # used to run every row one chunk more, whose tokens were dropped).
+    launched = []  # (steps, rows computed for a request) of every chunk
+    kept = dict(engine.programs.chunks)
+
+    def counted(program):
+        def call(*args, **kwargs):
+            launched.append((int(args[-1]), int(np.asarray(args[-2]).sum())))
+            return program(*args, **kwargs)
+
+        return call
+
+    engine.programs.chunks.update({k: counted(p) for k, p in kept.items()})
+    greedy = SamplingParams(seed=1, temperature=0.0)
+    try:
+        alone = run(engine, [5, 6, 7], 14, sampling=greedy)
+        alone_steps = list(launched)
+        launched.clear()
+        ends = [Collect(), Collect()]
+        with engine._lock:  # both wait when the engine next looks: admitted together
+            for collect, max_tokens in zip(ends, (6, 21), strict=True):
+                engine.submit(Request([5, 6, 7], max_tokens, collect, sampling=greedy))
+        assert all(collect.ended.wait(60) for collect in ends)
+    finally:
+        engine.programs.chunks.update(kept)
+    assert alone.of("done")[0] == {"finish_reason": "length", "prompt_tokens": 3,
+                                   "completion_tokens": 14}  # fmt: skip
+    assert alone_steps == [(1, 1), (4, 1), (4, 1), (4, 1), (1, 1)]  # 1 + 3 x 4 + 1 = 14
+    for collect, max_tokens in zip(ends, (6, 21), strict=True):
+        assert collect.of("done")[0]["finish_reason"] == "length"
+        assert collect.of("done")[0]["completion_tokens"] == max_tokens
+    texts = ["".join(c.of("text")) for c in (alone, *ends)]  # one character a token
+    assert texts[1] == texts[0][:6] and texts[2][:14] == texts[0]
+    # A chunk's rows share its step count: the 6-token row runs 1 + 4 + 4, then sits out
+    # while the 21-token one runs to exactly 21.
+    assert launched == [(1, 2), (4, 2), (4, 2), (4, 1), (4, 1), (4, 1)], launched
+
+
 def test_the_batch_sends_its_settings_to_the_device_only_after_they_change(model):
     from model.serving.batch_state import BatchState
 

@@ -9,7 +9,10 @@ went away), and the next waiting request takes the row at the next chunk boundar
 
 A chunk right after an admission is one step long, so a new request's first token comes after
 one step, not a whole chunk; otherwise chunks are `chunk_size` steps (fewer when a row's
-context fills up first).
+context fills up first, or when no row needs that many for its max_tokens). A row whose
+request has had every token its max_tokens allows launched sits out of the next chunk (its
+last tokens are in the chunk in flight), so a batch whose requests end by length runs no
+chunk past them.
 
 Prefix reuse (as llama.cpp's `cache_prompt`): a row keeps its prompt's K/V, also after the
 request leaves. A new request takes the lowest free row (few busy rows, few rows computed),
@@ -19,9 +22,9 @@ starts from a copy of the cache row whose kept prompt shares the longest start w
 are kept with the row when they were computed.
 
 Threading contract: the engine thread alone owns the batch, the rows (`slots`, `pos`,
-`texts`, `outboxes`, the kept prefixes) and every compiled call; before `start` returns, the
-thread that calls it stands in for the engine thread. Other threads touch only the waiting
-queue and the status, under `_lock`, and a request's `cancelled` event. `submit` raises
+`launched`, `texts`, `outboxes`, the kept prefixes) and every compiled call; before `start`
+returns, the thread that calls it stands in for the engine thread. Other threads touch only
+the waiting queue and the status, under `_lock`, and a request's `cancelled` event. `submit` raises
 QueueFull when the queue is full and EngineStopping once the engine drains or stops.
 
     >>> engine = Engine(model, tokenizer, rows=16, queue_size=64)     # doctest: +SKIP
@@ -106,6 +109,7 @@ class Engine:
         # -- the engine thread's own (see the threading contract) --
         self.batch = BatchState(model, rows)  # the rows on the device, and their settings
         self.pos = np.zeros(rows, np.int32)  # host copy of each row's position
+        self.launched = np.zeros(rows, np.int64)  # steps run for each row's request so far
         self.slots: list[Request | None] = [None] * rows
         self.texts: list[StopText | None] = [None] * rows
         self.outboxes: list[Outbox | None] = [None] * rows
@@ -211,14 +215,22 @@ class Engine:
             return False
         for slot, request in admitted:
             self._guarded(slot, self._admit, slot, request)
-        live = [s for s in range(self.rows) if self.slots[s] is not None]
+        # A row whose chunks so far already make every token its request may take (its
+        # max_tokens) sits out: its last tokens are in the chunk in flight.
+        owed = {s: r.max_tokens - int(self.launched[s]) for s, r in enumerate(self.slots) if r}
+        running = [s for s, n in owed.items() if n > 0]
         launched = None
-        if live:
-            for slot in live:
+        if running:
+            for slot in running:
                 self._slide(slot)
             steps = 1 if admitted else self.chunk_steps
-            steps = min(steps, *(self.size - int(self.pos[s]) for s in live))
-            launched = Launched(self._chunk(steps), steps, {s: self.slots[s] for s in live})
+            if not self.programs.fixed_counts:  # a chunk costs its steps: none past the need
+                steps = min(steps, max(owed[s] for s in running))
+            steps = min(steps, *(self.size - int(self.pos[s]) for s in running))
+            active = np.zeros(self.rows, bool)
+            active[running] = True
+            out = self._chunk(steps, active=active)
+            launched = Launched(out, steps, {s: self.slots[s] for s in running})
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             self._deliver_chunk(previous)
@@ -226,7 +238,8 @@ class Engine:
 
     def _deliver_chunk(self, chunk: Launched) -> None:
         """Hand each request of a finished chunk its tokens. A request that ended in the chunk
-        before has been released since (its row ran one chunk more, for nothing): skipped."""
+        before (at a stop token or string, which only its tokens tell) has been released
+        since (its row ran one chunk more, for nothing): skipped."""
         out = {k: v[:, : chunk.steps] for k, v in chunk_outputs(chunk.out).items()}
         for slot, request in chunk.requests.items():
             if self.slots[slot] is request:
@@ -331,12 +344,16 @@ class Engine:
         self.pos[slot] = keep
         self.kept[slot] = None  # the cache now holds other tokens at those positions
 
-    def _chunk(self, steps: int, rows: int | None = None, length: int | None = None):
-        """One compiled chunk over the first rows that hold every busy slot, attending over
-        the fewest cache slots that hold every busy row's context to the chunk's end
-        (`EnginePrograms.shape_for`; `rows` and `length` given: that shape); its outputs as
-        the device computes them, {name: [rows, chunk_size, ...]}."""
-        active = np.array([r is not None for r in self.slots])
+    def _chunk(
+        self, steps: int, rows: int | None = None, length: int | None = None,
+        active: np.ndarray | None = None,
+    ):  # fmt: skip
+        """One compiled chunk of the rows `active` (default: every busy slot) over the first
+        rows that hold them, attending over the fewest cache slots that hold every such row's
+        context to the chunk's end (`EnginePrograms.shape_for`; `rows` and `length` given:
+        that shape); its outputs as the device computes them, {name: [rows, chunk_size, ...]}."""
+        if active is None:
+            active = np.array([r is not None for r in self.slots])
         if rows is None or length is None:
             busy = np.flatnonzero(active)
             rows, length = self.programs.shape_for(
@@ -345,6 +362,7 @@ class Engine:
             )
         out = self.batch.run_chunk(self.programs, self.state, active, steps, (rows, length))
         self.pos[active] += steps
+        self.launched[active] += steps
         return out
 
     def _deliver(self, slot: int, out: dict[str, np.ndarray]) -> None:
@@ -387,6 +405,7 @@ class Engine:
         self.texts[slot] = None
         self.outboxes[slot] = None
         self.pos[slot] = 0
+        self.launched[slot] = 0
         if forget:
             self.kept[slot] = None
 
