@@ -246,6 +246,36 @@ def test_the_next_chunk_is_launched_before_a_chunk_is_handed_out(gen_model):
     np.testing.assert_array_equal(again, _gen(gen_model, num_samples=1, temperature=0.0))
 
 
+def test_a_chunk_only_reads_the_cache_in_its_steps_and_writes_it_at_its_end(gen_model):
+    """The cache is not carried through a chunk's loop (its steps' keys go to a buffer of the
+    chunk's own): a step that wrote into it made XLA:CPU copy every layer's keys, transposed,
+    at every step."""
+    from jax.extend.core import jaxprs_in_params
+
+    from model.decoding.sampling_params import SamplingParams
+    from model.decoding.steps import cached_chunk, start_carry
+    from model.network.gpt import cache_layout
+
+    carry = start_carry(gen_model, np.asarray(PROMPT, np.int32), 2, use_cache=True)
+    graphdef, state = nnx.split(gen_model)
+    settings = SamplingParams(temperature=0.0).settings(None)
+    traced = cached_chunk.trace(graphdef, state, carry, settings, np.int32(3), chunk_size=CHUNK)
+
+    def loops(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "while":
+                yield eqn
+            for sub in jaxprs_in_params(eqn.params):
+                yield from loops(sub)
+
+    (loop,) = loops(traced.jaxpr.jaxpr)
+    body = loop.params["body_jaxpr"].jaxpr  # its inputs: what it reads, then what it carries
+    carried = {tuple(v.aval.shape) for v in body.invars[loop.params["body_nconsts"] :]}
+    layer = cache_layout(gen_model.cfg, 2)[0]["k"].shape
+    assert tuple(layer) not in carried
+    assert cache_layout(gen_model.cfg, 2, CHUNK)[0]["k"].shape in carried  # the chunk's buffer
+
+
 def test_same_seed_same_output_different_seed_different(gen_model):
     a = _gen(gen_model, temperature=1.0, seed=7)
     b = _gen(gen_model, temperature=1.0, seed=7)

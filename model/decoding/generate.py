@@ -13,11 +13,12 @@ How it runs (use_cache=True), with two compiled programs whose shapes never chan
      last is fed by the first decode step), and a slide takes one (the kept tokens, moved to
      position 0). Every prompt length and every slide runs this same program.
   2. chunk: up to `chunk_size` decode steps in one `lax.fori_loop` (feed the pending token at
-     `pos`, sample the next). The number of steps is a traced value, so the first chunk can be
-     one token (time to first token), and a chunk can stop exactly where the cache fills up:
-     the host knows every position in advance, calls refill there and goes on. On GPUs the
-     count is fixed when compiling instead (a traced one costs XLA:GPU a host round
-     trip per step): a chunk program and a one-step program, called as many times as a
+     `pos`, sample the next; the steps' keys and values reach the cache at the chunk's end,
+     as in the serving batch's chunk). The number of steps is a traced value, so the first
+     chunk can be one token (time to first token), and a chunk can stop exactly where the
+     cache fills up: the host knows every position in advance, calls refill there and goes
+     on. On GPUs the count is fixed when compiling instead (a traced one costs XLA:GPU a host
+     round trip per step): a chunk program and a one-step program, called as many times as a
      shorter chunk needs, its outputs joined on the host (`model.decoding.steps`).
   Each chunk is launched before the one before it is fetched, so the host's work (fetching a
   chunk, the caller's printing) overlaps the device's next chunk, as in the serving engine.
