@@ -205,38 +205,54 @@ def cached_chunk(
     model = nnx.merge(graphdef, state)
     head = {name: x for name, x in carry.items() if name != "cache"}
     rows = carry["ctx"].shape[0]
-    recent_layout = cache_layout(model.cfg, rows, chunk_size)
-    head["recent"] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), recent_layout)
-    head["at"] = jnp.int32(0)
+    head["recent"], head["at"] = chunk_buffer(model.cfg, rows, chunk_size), jnp.int32(0)
     start = carry["pos"]
 
     def step(c):
-        layers = [
-            {**kv, "recent_k": recent["k"], "recent_v": recent["v"], "at": c["at"]}
-            for kv, recent in zip(carry["cache"], c["recent"], strict=True)
-        ]
         pending_Bx1 = c["pending"][:, None]
-        logits_Bx1xV, layers = model.decode(pending_Bx1, layers, c["pos"], head_DxV=head_DxV)
+        logits_BxV, recent = step_over_cache(
+            model, carry["cache"], c["recent"], c["at"], pending_Bx1, c["pos"], head_DxV
+        )
         ctx = jax.lax.dynamic_update_slice(c["ctx"], pending_Bx1, (0, c["pos"]))
-        c = {
-            **c,
-            "recent": [{"k": layer["recent_k"], "v": layer["recent_v"]} for layer in layers],
-            "at": c["at"] + 1,
-            "ctx": ctx,
-            "pos": c["pos"] + 1,
-        }
-        return _sample_step(logits_Bx1xV[:, 0], c, settings)
+        c = {**c, "recent": recent, "at": c["at"] + 1, "ctx": ctx, "pos": c["pos"] + 1}
+        return _sample_step(logits_BxV, c, settings)
 
     head, out = run_steps(step, head, n_steps, chunk_size)
     recent = head.pop("recent")
     del head["at"]
     start_B = jnp.full((rows,), start, jnp.int32)
     count_B = jnp.full((rows,), chunk_size if n_steps is None else n_steps, jnp.int32)
-    head["cache"] = [
-        {name: write_window(layer[name], part[name], start_B, count_B) for name in ("k", "v")}
-        for layer, part in zip(carry["cache"], recent, strict=True)
-    ]
+    head["cache"] = cache_with_buffer(carry["cache"], recent, start_B, count_B)
     return head, out
+
+
+def chunk_buffer(cfg: ModelConfig, rows: int, chunk_size: int) -> list[dict]:
+    """A chunk's own keys and values, zeros: per layer {"k", "v"} [rows, H, chunk_size, Dh]."""
+    layout = cache_layout(cfg, rows, chunk_size)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), layout)
+
+
+def step_over_cache(
+    model: GPT, cache: list[dict], recent: list[dict], at, tokens_Bx1, pos, head_DxV=None
+) -> tuple[jax.Array, list[dict]]:
+    """Step `at` of a chunk that only reads `cache`: the tokens run at `pos` (one for every
+    row, or [B]) attend over the cache's slots before the chunk and the buffer's 0..at, and
+    their keys and values go into the buffer at `at`. Returns (logits [B, V], buffer)."""
+    layers = [
+        {**kv, "recent_k": part["k"], "recent_v": part["v"], "at": at}
+        for kv, part in zip(cache, recent, strict=True)
+    ]
+    logits_Bx1xV, layers = model.decode(tokens_Bx1, layers, pos, head_DxV=head_DxV)
+    return logits_Bx1xV[:, 0], [{"k": x["recent_k"], "v": x["recent_v"]} for x in layers]
+
+
+def cache_with_buffer(cache: list[dict], recent: list[dict], start_B, count_B) -> list[dict]:
+    """`cache` with row b's first count_B[b] buffer entries written at slots start_B[b]..
+    (`kv_writes.write_window`): a chunk's end."""
+    return [
+        {name: write_window(layer[name], part[name], start_B, count_B) for name in ("k", "v")}
+        for layer, part in zip(cache, recent, strict=True)
+    ]
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",), donate_argnums=2)

@@ -46,10 +46,17 @@ from flax import nnx
 
 from model.decoding.sampling import sample_logits, token_scores
 from model.decoding.sampling_params import SamplingParams
-from model.decoding.steps import PAD_ID, carry_layout, run_steps, zeros_like_layout
+from model.decoding.steps import (
+    PAD_ID,
+    cache_with_buffer,
+    carry_layout,
+    chunk_buffer,
+    run_steps,
+    step_over_cache,
+    zeros_like_layout,
+)
 from model.network.config import ModelConfig
-from model.network.gpt import GPT, cache_layout
-from model.network.kv_writes import write_window
+from model.network.gpt import GPT
 from model.network.params import sampling_device
 
 ROW_FIELDS = ("cache", "ctx", "pending", "done")  # [1, ...] in a row carry, [B, ...] here
@@ -193,21 +200,16 @@ def batch_chunk(
     active_B = active_B[:rows]
     # The cache is only read during the chunk; each step's keys and values go to a buffer of
     # the chunk's own (`recent`), written in at its end.
-    recent_layout = cache_layout(model.cfg, rows, chunk_size)
-    head["recent"] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), recent_layout)
-    head["at"] = jnp.int32(0)
+    head["recent"], head["at"] = chunk_buffer(model.cfg, rows, chunk_size), jnp.int32(0)
     start_B = head["pos"]
 
     def step(c):
         # A free row runs at position `at`: it sees the buffer's slots 0..at only (never no
         # key at all, never a position past the context); what it computes is dropped.
         pos_B = jnp.where(active_B, c["pos"], c["at"])
-        layers = [
-            {**kv, "recent_k": recent["k"], "recent_v": recent["v"], "at": c["at"]}
-            for kv, recent in zip(attended, c["recent"], strict=True)
-        ]
-        logits_Bx1xV, layers = model.decode(c["pending"][:, None], layers, pos_B, head_DxV=head_DxV)
-        logits_BxV = logits_Bx1xV[:, 0]
+        logits_BxV, recent = step_over_cache(
+            model, attended, c["recent"], c["at"], c["pending"][:, None], pos_B, head_DxV
+        )
         at_BxS = (jnp.arange(c["ctx"].shape[1]) == pos_B[:, None]) & active_B[:, None]
         ctx = jnp.where(at_BxS, c["pending"][:, None], c["ctx"])  # a select, not a scatter
         keys_B = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
@@ -221,7 +223,7 @@ def batch_chunk(
         emitted_B = jnp.where(live_B, token_B, PAD_ID)
         advance_B = active_B.astype(jnp.int32)
         c = {
-            "recent": [{"k": layer["recent_k"], "v": layer["recent_v"]} for layer in layers],
+            "recent": recent,
             "at": c["at"] + 1,
             "ctx": ctx,
             "pos": c["pos"] + advance_B,
@@ -240,11 +242,5 @@ def batch_chunk(
         for name, part in head.items()
     }
 
-    def written(cache: list[dict]) -> list[dict]:
-        return [
-            {name: write_window(layer[name], part[name], start_B, count_B) for name in ("k", "v")}
-            for layer, part in zip(cache, recent, strict=True)
-        ]
-
-    out["cache"] = written(batch["cache"])
-    return (out, written(attended)), out_R
+    out["cache"] = cache_with_buffer(batch["cache"], recent, start_B, count_B)
+    return (out, cache_with_buffer(attended, recent, start_B, count_B)), out_R
