@@ -217,7 +217,11 @@ class Engine:
             self._guarded(slot, self._admit, slot, request)
         # A row whose chunks so far already make every token its request may take (its
         # max_tokens) sits out: its last tokens are in the chunk in flight.
-        owed = {s: r.max_tokens - int(self.launched[s]) for s, r in enumerate(self.slots) if r}
+        owed = {
+            s: r.max_tokens - int(self.launched[s])
+            for s, r in enumerate(self.slots)
+            if r is not None
+        }
         running = [s for s, n in owed.items() if n > 0]
         launched = None
         if running:
