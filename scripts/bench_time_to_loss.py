@@ -80,6 +80,8 @@ ABLATIONS = [
     ("no QK-norm", ["model.qk_norm=false"]),
     ("tied output layer", ["model.tie_embeddings=true"]),
     ("cosine instead of WSD", ["train.lr_schedule=cosine"]),
+    ("WSD's cooldown over the last 20% instead of 35%", ["train.decay_fraction=0.2"]),
+    ("weight decay 0.1 on Muon's matrices", ["train.weight_decay=0.1"]),
     ("4 heads of 24 instead of 2 of 48", ["model.n_head=4"]),
     ("float32 Linear operands (bf16 on AMX)", ["model.linear_operands=float32"]),
     # Options it leaves out, one at a time.
@@ -90,7 +92,10 @@ ABLATIONS = [
         ["train.muon_orthogonalizer=polar_express", "train.muon_ns_steps=5"],
     ),
     ("5 Newton-Schulz steps instead of 3", ["train.muon_ns_steps=5"]),
-    ("+ cautious weight decay", ["train.cautious_weight_decay=true"]),
+    (
+        "+ cautious weight decay (0.1)",
+        ["train.cautious_weight_decay=true", "train.weight_decay=0.1"],
+    ),
     (
         "+ batch-size warmup (8 sequences to step 150)",
         ["train.batch_size_schedule=[[0,8],[150,16]]"],
