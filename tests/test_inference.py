@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 import tinyllm
@@ -113,6 +115,35 @@ def test_a_second_run_starts_from_the_program_cache(bpe_run, tmp_path):
     assert len(timing_lines(second.stderr)) == 1
     kept = sorted(p.name.split("-")[0] for p in (tmp_path / "programs").iterdir())
     assert kept == ["abstract", "decode"]
+
+
+def test_a_bf16_operand_run_samples_as_its_training_model(tmp_path, capsys):
+    """A run trained with bf16 Linear operands (the fast config's on AMX) is sampled with its
+    blocks' kernels stored bf16 (load_for_sampling): --inference prints the same tokens,
+    greedy and seeded, as the model with the float32 kernels the checkpoint holds."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from model.decoding.generate import generate_all
+    from model.rundir.trained import load_for_sampling, open_trained_run
+
+    run = train_tiny_run(tmp_path, "tokenizer.vocab_size=270", "train.max_steps=4",
+                         "model.linear_operands=bfloat16", config="shakespeare")  # fmt: skip
+    tokenizer, sampled = load_for_sampling(run, None, None)
+    _, stored, _ = open_trained_run(run).load()
+    assert sampled.blocks[0].mlp.c_fc.kernel[...].dtype == jnp.bfloat16
+    assert {v.dtype for v in jax.tree_util.tree_leaves(nnx.state(stored))} == {jnp.dtype("float32")}
+    prompt = tokenizer.encode("to be")
+    for settings in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
+        want = generate_all(stored, prompt, max_new_tokens=40, **settings)
+        np.testing.assert_array_equal(
+            generate_all(sampled, prompt, max_new_tokens=40, **settings), want
+        )
+    argv = ["--inference", "--out", str(run), "--prompt", "to be", "--temperature", "0",
+            "--max-new-tokens", "40"]  # fmt: skip
+    assert tinyllm.main(argv) == 0
+    greedy = generate_all(stored, prompt, max_new_tokens=40, temperature=0.0)[0]
+    assert capsys.readouterr().out.startswith("to be" + tokenizer.decode(greedy.tolist()))
 
 
 # -- the prompt loop ---------------------------------------------------------------------------

@@ -219,3 +219,52 @@ def test_compilation_cache_finds_custom_partitioned_programs(tmp_path, keep_poin
     assert runs[0] == {"hits": 0, "sum": 56.0}
     # The second process finds the first one's program, unless the pointer is in the key.
     assert runs[1]["hits"] == (0 if keep_pointer else 1)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (1, 1, 8)])
+def test_a_one_row_bf16_product_is_the_rows_product(shape):
+    """One row (a decode step of one sequence) is multiplied as two rows, the second zeros:
+    the same row as in a batch of three, and bf16's product."""
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal(shape).astype(np.float32), rng.standard_normal((8, 6))
+    w = w.astype(np.float32)
+    y = bf16_operand_product(jnp.asarray(x), jnp.asarray(w))
+    assert y.shape == (*shape[:-1], 6) and y.dtype == jnp.float32
+    np.testing.assert_allclose(y, bf16(x) @ bf16(w), rtol=1e-5, atol=1e-5)
+    batch = np.concatenate([x.reshape(1, 8), rng.standard_normal((2, 8)).astype(np.float32)])
+    in_batch = bf16_operand_product(jnp.asarray(batch), jnp.asarray(w))[:1]
+    np.testing.assert_allclose(y.reshape(1, 6), in_batch, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("operands", ["bfloat16", "float32"])
+def test_sampling_keeps_bf16_operand_kernels_as_bf16_with_the_same_logits(operands):
+    """The blocks' bf16-operand kernels are stored bf16 for sampling, and the model's logits,
+    one row decoding and several rows at once, stay the same bit for bit; an untied output
+    layer, the embeddings and a float32-operand model's kernels keep float32."""
+    from flax import nnx
+
+    from model.network.config import ModelConfig
+    from model.network.gpt import GPT
+
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                      tie_embeddings=False, linear_operands=operands).validate()  # fmt: skip
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (3, 9)), jnp.int32)
+
+    def logits(m):
+        one, _ = m.decode(tokens[:1, :1], m.init_cache(1), 0)
+        return np.asarray(one), np.asarray(m(tokens))
+
+    before = logits(model)
+    precision.store_bf16_operand_kernels(model)
+    dtypes = {jax.tree_util.keystr(p): v.dtype
+              for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))}  # fmt: skip
+    kernels = {k: v for k, v in dtypes.items() if "blocks" in k and "kernel" in k}
+    assert len(kernels) == 8  # 4 Linear layers a block
+    expected = jnp.bfloat16 if operands == "bfloat16" else jnp.float32
+    assert set(kernels.values()) == {jnp.dtype(expected)}
+    others = {v for k, v in dtypes.items() if k not in kernels}
+    assert others == {jnp.dtype(jnp.float32)}  # lm_head, embeddings, norms
+    after = logits(model)
+    for b, a in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -39,6 +39,7 @@ not take) stays float32.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -82,8 +83,13 @@ def bf16_operand_linears(cfg) -> bool:
 
 @jax.custom_vjp
 def bf16_operand_product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] @ w [K, N] with bf16 operands and a float32 result (above)."""
-    return _bf16_dot(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+    """x [..., K] @ w [K, N] with bf16 operands and a float32 result (above). One row (a
+    decode step of one sequence) is multiplied as two, the second zeros: YNNPACK runs a
+    one-row bf16 product without AMX, 4x slower than two rows (docs/serving.md)."""
+    if math.prod(x.shape[:-1]) != 1:
+        return _bf16_dot(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+    rows = jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0)))
+    return _bf16_dot(rows, w, (((1,), (0,)), ((), ())))[:1].reshape(*x.shape[:-1], -1)
 
 
 def _bf16_dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
@@ -107,6 +113,19 @@ def _product_backward(saved, g):
 
 
 bf16_operand_product.defvjp(_product_forward, _product_backward)
+
+
+def store_bf16_operand_kernels(model) -> None:
+    """For sampling, not training: keep the kernels of the Linear layers whose products take
+    bf16 operands as bf16. Those products cast them to bf16 anyway, so the values are the
+    same, bit for bit; a decode step reads half the bytes and casts nothing (on AMX the 11M
+    model's 16-row step 4.3 ms against 6.4, docs/serving.md). Other kernels (an untied
+    output layer, quantized layers) keep their dtype."""
+    from flax import nnx  # the model's module types; this module is otherwise plain JAX
+
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, nnx.Linear) and module.dot_general is bf16_operand_dot_general:
+            module.kernel.set_value(module.kernel[...].astype(jnp.bfloat16))
 
 
 def bf16_operand_dot_general(lhs, rhs, dims, precision=None, preferred_element_type=None,

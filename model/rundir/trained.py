@@ -25,6 +25,7 @@ from flax import nnx
 from model.network.config import ModelConfig, model_config_of
 from model.network.gpt import GPT
 from model.network.params import abstract_model
+from model.network.precision import store_bf16_operand_kernels
 from model.quantization.checkpoint import load_quantized_model, read_quantized_meta
 from model.rundir.checkpoints import CheckpointDamaged, Checkpoints
 from model.rundir.layout import (
@@ -171,6 +172,8 @@ def load_for_sampling(
     if init_from and not started_from(run_dir, init_from):
         from model.interop.hf_import import load_hf_model  # the interop layer, only when asked
 
-        return load_hf_model(init_from, base)
-    tokenizer, model, _ = open_trained_run(run_dir).load(cache)
+        tokenizer, model = load_hf_model(init_from, base)
+    else:
+        tokenizer, model, _ = open_trained_run(run_dir).load(cache)
+    store_bf16_operand_kernels(model)  # the same products, half the bytes to read
     return tokenizer, model
