@@ -245,6 +245,7 @@ def test_sampling_keeps_bf16_operand_kernels_as_bf16_with_the_same_logits(operan
 
     from model.network.config import ModelConfig
     from model.network.gpt import GPT
+    from model.network.layers import store_bf16_operand_kernels
 
     cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32,
                       tie_embeddings=False, linear_operands=operands).validate()  # fmt: skip
@@ -256,7 +257,7 @@ def test_sampling_keeps_bf16_operand_kernels_as_bf16_with_the_same_logits(operan
         return np.asarray(one), np.asarray(m(tokens))
 
     before = logits(model)
-    precision.store_bf16_operand_kernels(model)
+    store_bf16_operand_kernels(model)
     dtypes = {jax.tree_util.keystr(p): v.dtype
               for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))}  # fmt: skip
     kernels = {k: v for k, v in dtypes.items() if "blocks" in k and "kernel" in k}

@@ -115,19 +115,6 @@ def _product_backward(saved, g):
 bf16_operand_product.defvjp(_product_forward, _product_backward)
 
 
-def store_bf16_operand_kernels(model) -> None:
-    """For sampling, not training: keep the kernels of the Linear layers whose products take
-    bf16 operands as bf16. Those products cast them to bf16 anyway, so the values are the
-    same, bit for bit; a decode step reads half the bytes and casts nothing (on AMX the 11M
-    model's 16-row step 4.3 ms against 6.4, docs/serving.md). Other kernels (an untied
-    output layer, quantized layers) keep their dtype."""
-    from flax import nnx  # the model's module types; this module is otherwise plain JAX
-
-    for _, module in nnx.iter_graph(model):
-        if isinstance(module, nnx.Linear) and module.dot_general is bf16_operand_dot_general:
-            module.kernel.set_value(module.kernel[...].astype(jnp.bfloat16))
-
-
 def bf16_operand_dot_general(lhs, rhs, dims, precision=None, preferred_element_type=None,
                              out_sharding=None):  # fmt: skip
     """`bf16_operand_product` in the form nnx.Linear calls its `dot_general` with."""

@@ -24,8 +24,8 @@ from flax import nnx
 
 from model.network.config import ModelConfig, model_config_of
 from model.network.gpt import GPT
+from model.network.layers import store_bf16_operand_kernels
 from model.network.params import abstract_model
-from model.network.precision import store_bf16_operand_kernels
 from model.quantization.checkpoint import load_quantized_model, read_quantized_meta
 from model.rundir.checkpoints import CheckpointDamaged, Checkpoints
 from model.rundir.layout import (
