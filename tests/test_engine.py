@@ -19,6 +19,7 @@ from model.decoding.programs import compile_programs
 from model.decoding.sampling_params import SEED_MAX, SamplingParams
 from model.network.attention import traced_for
 from model.serving.engine import DEFAULT_STREAM_INTERVAL_S, Engine
+from model.serving.inbox import Inbox
 from model.serving.requests import EngineStopping, QueueFull, Request
 from model.serving.text import StopText
 from plumbing.errors import UsageError
@@ -183,6 +184,31 @@ def test_full_queue_and_stopping_are_told_apart():
     engine.drain()
     with pytest.raises(EngineStopping):
         engine.submit(Request([1], 4, Collect()))
+
+
+def test_the_inbox_hands_the_engine_live_requests_and_wakes_it_to_stop():
+    inbox = Inbox(queue_size=4)
+    requests = [Request([1], 4, Collect()) for _ in range(4)]
+    for request in requests:
+        inbox.submit(request)
+    requests[0].cancelled.set()
+    assert inbox.take(2) == requests[1:3]  # oldest first, the gone client skipped
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append(inbox.wait_for_work(idle=True)))
+    inbox.take(1)  # nothing waits now: an idle engine thread waits
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive()
+    late = Request([2], 4, Collect())
+    inbox.submit(late)
+    waiter.join(5)
+    assert woke == [True]
+    inbox.stop("stopping now")
+    inbox.stop("a later reason")
+    assert inbox.wait_for_work(idle=True) is False
+    assert inbox.close() == ("stopping now", [late])
+    with pytest.raises(EngineStopping, match="stopping now"):
+        inbox.submit(Request([1], 4, Collect()))
 
 
 def test_a_chunk_longer_than_the_context_is_refused_in_one_line():
@@ -382,7 +408,7 @@ def test_requests_that_end_by_length_run_no_step_past_their_max_tokens(engine):
         alone_steps = list(launched)
         launched.clear()
         ends = [Collect(), Collect()]
-        with engine._lock:  # both wait when the engine next looks: admitted together
+        with engine.inbox.lock:  # both wait when the engine next looks: admitted together
             for collect, max_tokens in zip(ends, (6, 21), strict=True):
                 engine.submit(Request([5, 6, 7], max_tokens, collect, sampling=greedy))
         assert all(collect.ended.wait(60) for collect in ends)

@@ -2,11 +2,14 @@
 
 config.py        ServeConfig: the [serve] section (address, key, limits)
 requests.py      a request to the engine, and its two refusals (queue full, stopping)
-engine.py        the engine thread: a queue, continuous batching, text to each request
+engine.py        the engine thread: continuous batching, text to each request
+inbox.py         what other threads share with it: the waiting queue, status, counters
+batch_state.py   the batch as the device holds it, and each row's sampling settings
 prefix.py        prefix reuse: which row's kept prompt a new request starts from
 programs.py      which chunk and prefill shapes the engine runs, compiled before it serves
 batch.py         the batch's compiled programs: per-row positions, rows in and out
 text.py          streamed text: bytes to UTF-8, stop strings
+outbox.py        a request's output held back, sent at most every stream interval
 logprobs.py      log-probabilities in OpenAI's shapes (completions and chat)
 openai_api.py    OpenAI's requests checked, and the objects answered
 bodies.py        request bodies read within their size, buffer and time bounds

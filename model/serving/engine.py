@@ -24,8 +24,9 @@ are kept with the row when they were computed.
 Threading contract: the engine thread alone owns the batch, the rows (`slots`, `pos`,
 `launched`, `texts`, `outboxes`, the kept prefixes) and every compiled call; before `start`
 returns, the thread that calls it stands in for the engine thread. Other threads touch only
-the waiting queue and the status, under `_lock`, and a request's `cancelled` event. `submit` raises
-QueueFull when the queue is full and EngineStopping once the engine drains or stops.
+the `Inbox` (model/serving/inbox.py: the waiting queue, the status and the counters, under its
+lock) and a request's `cancelled` event. `submit` raises QueueFull when the queue is full and
+EngineStopping once the engine drains or stops.
 
     >>> engine = Engine(model, tokenizer, rows=16, queue_size=64)     # doctest: +SKIP
     >>> engine.start()  # doctest: +SKIP
@@ -34,7 +35,6 @@ QueueFull when the queue is full and EngineStopping once the engine drains or st
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
@@ -52,10 +52,11 @@ from model.decoding.prompts import stop_token_of
 from model.decoding.steps import PAD_ID, chunk_outputs, start_carry, window_size
 from model.network.gpt import GPT
 from model.serving.batch_state import BatchState
+from model.serving.inbox import Inbox
 from model.serving.outbox import Outbox
 from model.serving.prefix import KeptPrefix, reuse_source
 from model.serving.programs import EnginePrograms
-from model.serving.requests import EngineStopping, QueueFull, Request
+from model.serving.requests import Request
 from model.serving.text import StopText, read_tokens
 from plumbing.errors import UsageError
 from tokenizer import Tokenizer
@@ -95,7 +96,7 @@ class Engine:
                 f"tokens, got {chunk_steps}"
             )
         self.model, self.tokenizer = model, tokenizer
-        self.rows, self.queue_size, self.chunk_steps = rows, queue_size, chunk_steps
+        self.rows, self.chunk_steps = rows, chunk_steps
         self.stream_interval_s = stream_interval_s
         self.size = model.cfg.block_size
         self.window = window_size(self.size)
@@ -115,13 +116,7 @@ class Engine:
         self.outboxes: list[Outbox | None] = [None] * rows
         self.kept: list[KeptPrefix | None] = [None] * rows
         self._in_flight: Launched | None = None  # the chunk launched last, not yet delivered
-        # -- shared, under _lock --
-        self._lock = threading.Condition()
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.counts = {"busy_rows": 0, "tokens_served": 0, "prefix_hits": 0, "reused_tokens": 0}
-        self._stopping: str | None = None
-        self._draining: str | None = None
-        self._failure: BaseException | None = None
+        self.inbox = Inbox(queue_size)  # -- shared with other threads, under its lock --
         self._thread = threading.Thread(target=self._run, name="tinyllm-engine", daemon=True)
 
     # -- the public side (any thread) ---------------------------------------------------------
@@ -155,41 +150,20 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request: QueueFull when `queue_size` wait already, EngineStopping once
         draining or stopped."""
-        with self._lock:
-            if self._stopping is not None or self._draining is not None:
-                raise EngineStopping(self._stopping or self._draining)
-            if self._live_waiting() >= self.queue_size:
-                raise QueueFull(f"the queue is full ({self.queue_size} requests waiting)")
-            self.waiting.append(request)
-            self._lock.notify()
+        self.inbox.submit(request)
 
     def drain(self, reason: str = "the server is shutting down") -> None:
         """Refuse new requests (EngineStopping with `reason`); the ones taken go on."""
-        with self._lock:
-            self._draining = reason
+        self.inbox.drain(reason)
 
     def stop(self, reason: str = "the server is shutting down", timeout_s: float = 5.0) -> None:
         """Stop decoding; every request not yet done gets ("error", reason)."""
-        with self._lock:
-            self._stopping = self._stopping or reason
-            self._lock.notify()
+        self.inbox.stop(reason)
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
     def stats(self) -> dict[str, object]:
-        with self._lock:
-            status = "ok"
-            if self._failure is not None:
-                status = "failed"
-            elif self._stopping is not None or self._draining is not None:
-                status = "shutting down"
-            return {
-                "status": status,
-                "queue_length": self._live_waiting(),
-                "active": self.counts["busy_rows"],
-                "batch_rows": self.rows,
-                **{k: v for k, v in self.counts.items() if k != "busy_rows"},
-            }
+        return self.inbox.stats(self.rows)
 
     # -- the engine thread --------------------------------------------------------------------
 
@@ -198,14 +172,10 @@ class Engine:
             while self._step():
                 pass
         except BaseException as err:  # a bug or a device failure: tell every client, keep it
-            with self._lock:
-                self._failure = err
-                self._stopping = f"the server failed ({type(err).__name__}): see its log"
+            self.inbox.fail(err)
             raise
         finally:
-            with self._lock:
-                reason = self._stopping or "the server stopped"
-            self._fail_all(reason)
+            self._fail_all()
 
     def _step(self) -> bool:
         """Admit, slide, launch one chunk, then deliver the chunk before it while this one
@@ -249,35 +219,17 @@ class Engine:
             if self.slots[slot] is request:
                 self._guarded(slot, self._deliver, slot, out)
 
-    def _live_waiting(self) -> int:
-        """How many wait, once the requests whose clients went away are dropped (under the
-        lock): a gone client holds no place in the queue."""
-        if any(request.cancelled.is_set() for request in self.waiting):
-            live = [request for request in self.waiting if not request.cancelled.is_set()]
-            self.waiting.clear()
-            self.waiting.extend(live)
-        return len(self.waiting)
-
     def _take_waiting(self) -> list[tuple[int, Request]] | None:
         """Wait for work; free the rows of cancelled requests; pair waiting requests with free
         rows, lowest first. None once stopping."""
-        with self._lock:
-            idle = self._in_flight is None and not any(self.slots)
-            while self._stopping is None and not self.waiting and idle:
-                self._lock.wait()
-            if self._stopping is not None:
-                return None
-            for slot, request in enumerate(self.slots):
-                if request is not None and request.cancelled.is_set():
-                    self._release(slot)
-            free = [s for s in range(self.rows) if self.slots[s] is None]
-            admitted = []
-            while free and self.waiting:
-                request = self.waiting.popleft()
-                if request.cancelled.is_set():
-                    continue
-                admitted.append((free.pop(0), request))
-            return admitted
+        idle = self._in_flight is None and not any(self.slots)
+        if not self.inbox.wait_for_work(idle):
+            return None
+        for slot, request in enumerate(self.slots):
+            if request is not None and request.cancelled.is_set():
+                self._release(slot)
+        free = [s for s in range(self.rows) if self.slots[s] is None]
+        return list(zip(free, self.inbox.take(len(free)), strict=False))
 
     def _guarded(self, slot: int, work: Callable, *args) -> None:
         """Run one request's part; if it fails, that request gets an error and the engine goes
@@ -321,11 +273,7 @@ class Engine:
         self.slots[slot] = request
         self.texts[slot] = StopText(request.stop)
         self.outboxes[slot] = Outbox(self.stream_interval_s)
-        with self._lock:
-            self.counts["busy_rows"] += 1
-            if start:
-                self.counts["prefix_hits"] += 1
-                self.counts["reused_tokens"] += start
+        self.inbox.count(busy_rows=1, prefix_hits=int(start > 0), reused_tokens=start)
         if scored:
             request.on_event("prompt", scores)
         if request.max_tokens == 0:
@@ -379,8 +327,7 @@ class Engine:
             ends=(PAD_ID, self.stop_token), room=request.max_tokens - request.generated,
         )  # fmt: skip
         request.generated += sent
-        with self._lock:
-            self.counts["tokens_served"] += sent
+        self.inbox.count(tokens_served=sent)
         box = self.outboxes[slot]
         scored = request.logprobs is not None and sent > 0
         box.hold(piece, {k: v[slot, :sent] for k, v in out.items()} if scored else None)
@@ -403,8 +350,7 @@ class Engine:
     def _release(self, slot: int, forget: bool = False) -> None:
         """Free row `slot`; with `forget`, also drop the prompt it keeps for reuse."""
         if self.slots[slot] is not None:
-            with self._lock:
-                self.counts["busy_rows"] -= 1
+            self.inbox.count(busy_rows=-1)
         self.slots[slot] = None
         self.texts[slot] = None
         self.outboxes[slot] = None
@@ -413,10 +359,10 @@ class Engine:
         if forget:
             self.kept[slot] = None
 
-    def _fail_all(self, reason: str) -> None:
-        with self._lock:
-            pending = [r for r in self.slots if r is not None] + list(self.waiting)
-            self.waiting.clear()
+    def _fail_all(self) -> None:
+        """Every request taken or waiting gets ("error", why the engine stopped)."""
+        reason, waiting = self.inbox.close()
+        pending = [r for r in self.slots if r is not None] + waiting
         for slot in range(self.rows):
             self._release(slot)
         for request in pending:
