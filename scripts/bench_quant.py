@@ -7,7 +7,11 @@ steps) on one config, quantizes both with scripts/quantize.py's code, and scores
 by one deterministic pass over the whole validation split (non-overlapping windows of
 block_size, the same windows for all). With --finetune-steps M it also continues the float32
 run for M steps both plainly and with int4 QAT (fine-tuning = --resume with train.qat_bits=4)
-and adds those rows. Run directories are kept under --workdir and reused when already trained.
+and adds those rows. With --qat-from N it also runs int4 QAT over the float32 run's last steps
+instead (resumed from its checkpoint at step N, the same schedule to the same end): under a
+warmup-stable-decay schedule, N at the cooldown's start gives QAT the cooldown, where resuming
+past the end would raise the learning rate again. Run directories are kept under --workdir and
+reused when already trained.
 
     flock /tmp/tinyllm-bench.lock python scripts/bench_quant.py \\
         --input ../shared/data/tinyshakespeare.txt --steps 600
@@ -74,6 +78,20 @@ def clone_run(src: Path, dst: Path, with_checkpoints: bool) -> None:
         shutil.copytree(src / CHECKPOINT_DIR, dst / CHECKPOINT_DIR)
 
 
+def qat_from(fp32_dir: Path, step: int, qat_cfg) -> Path:
+    """A copy of the float run resumed from its checkpoint at `step` with QAT to its end."""
+    out = fp32_dir.with_name(f"qat4-from{step}")
+    if not (fp32_dir / CHECKPOINT_DIR / str(step)).is_dir():
+        raise SystemExit(f"bench: {fp32_dir} has no checkpoint at step {step}: remove it first")
+    if not out.exists():
+        clone_run(fp32_dir, out, with_checkpoints=True)
+        for later in (out / CHECKPOINT_DIR).iterdir():
+            if later.name.isdigit() and int(later.name) > step:
+                shutil.rmtree(later)
+    trained(qat_cfg, out, resume=True)
+    return out
+
+
 def quantized(run_dir: Path, bits: int, group_size: int | None) -> Path:
     out = run_dir.with_name(f"{run_dir.name}-int{bits}")
     if not (out / QUANT_FILE).is_file():
@@ -108,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input", nargs="+", help="text files (default: the config's corpus)")
     p.add_argument("--steps", type=int, help="train.max_steps for both runs")
     p.add_argument("--finetune-steps", type=int, default=0, help="QAT fine-tune rows (0 = off)")
+    p.add_argument("--qat-from", type=int, help="an int4 QAT row from this step of the float run")
     p.add_argument("--group-size", type=int, help="int4 group size (train.quant_group_size)")
     p.add_argument("--workdir", default="runs/bench_quant")
     p.add_argument("--md", help="also write the table to this file")
@@ -121,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(("train.max_steps", args.steps))
     if args.group_size:
         overrides.append(("train.quant_group_size", args.group_size))
+    if args.qat_from:  # the float run keeps its state at that step (and at its end): a
+        # checkpoint there, and none at other evaluations to push it out
+        overrides += [
+            (f"train.{key}", args.qat_from) for key in ("checkpoint_interval", "eval_interval")
+        ]
     cfg = load_config(args.config, overrides)
     qat_cfg = load_config(args.config, [*overrides, ("train.qat_bits", 4)])
     work = Path(args.workdir)
@@ -140,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         (f"int4 PTQ (group {group})", quantized(fp32_dir, 4, None)),
         (f"int4 QAT from scratch ({steps} steps)", quantized(qat_dir, 4, None)),
     ]
+    if args.qat_from:
+        rows.append((
+            f"int4 QAT from step {args.qat_from} ({steps} steps)",
+            quantized(qat_from(fp32_dir, args.qat_from, qat_cfg), 4, None),
+        ))  # fmt: skip
     if args.finetune_steps:
         total = steps + args.finetune_steps
         more = [("train.max_steps", total)]
