@@ -39,6 +39,7 @@ from model.rundir.layout import (
     QUANT_FILE,
     TOKENIZER_FILE,
     TOKENS_DIR,
+    checkpoint_steps,
     has_checkpoint,
 )
 from model.rundir.trained import restore_float_params
@@ -81,13 +82,13 @@ def clone_run(src: Path, dst: Path, with_checkpoints: bool) -> None:
 def qat_from(fp32_dir: Path, step: int, qat_cfg) -> Path:
     """A copy of the float run resumed from its checkpoint at `step` with QAT to its end."""
     out = fp32_dir.with_name(f"qat4-from{step}")
-    if not (fp32_dir / CHECKPOINT_DIR / str(step)).is_dir():
+    if step not in checkpoint_steps(fp32_dir):
         raise SystemExit(f"bench: {fp32_dir} has no checkpoint at step {step}: remove it first")
     if not out.exists():
         clone_run(fp32_dir, out, with_checkpoints=True)
-        for later in (out / CHECKPOINT_DIR).iterdir():
-            if later.name.isdigit() and int(later.name) > step:
-                shutil.rmtree(later)
+        for later in checkpoint_steps(out):
+            if later > step:
+                shutil.rmtree(out / CHECKPOINT_DIR / str(later))
     trained(qat_cfg, out, resume=True)
     return out
 
