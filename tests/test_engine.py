@@ -362,6 +362,36 @@ def test_a_chunk_leaves_free_rows_caches_as_they_were_and_decodes_busy_rows_alik
     np.testing.assert_array_equal(np.asarray(out["token"])[0], np.asarray(alone_out["token"])[0])
 
 
+def test_a_chunk_scores_its_tokens_only_when_a_busy_row_asked_for_log_probabilities(model):
+    # The softmax and top-5 over the vocabulary cost every row every step; a chunk skips
+    # them unless a busy row's request wants them, and its tokens are the same either way.
+    from flax import nnx
+
+    from model.serving.batch import attended_cache, batch_chunk, batch_settings, empty_batch
+
+    graphdef, state = nnx.split(model)
+    active = jnp.array([True, False, True, False])
+
+    def chunk(scored_rows):
+        batch = empty_batch(model, rows=4)  # a new one each time: the chunk donates it
+        batch["pos"] = jnp.array([3, 0, 7, 0], jnp.int32)
+        settings = batch_settings(4)
+        settings["temperature"][:] = 0.8
+        settings["scored"][scored_rows] = True
+        carry = (batch, attended_cache(batch, rows=4, length=32))
+        _, out = batch_chunk(graphdef, state, carry, jax.tree.map(jnp.asarray, settings),
+                             active, np.int32(4), chunk_size=4, rows=4)  # fmt: skip
+        return jax.tree.map(np.asarray, out)
+
+    plain, idle_asked, busy_asked = chunk([]), chunk([1]), chunk([2])
+    for out in (plain, idle_asked):
+        assert not out["logprob"].any() and not out["top_logprobs"].any()
+    np.testing.assert_array_equal(plain["token"], busy_asked["token"])
+    logprob, top = busy_asked["logprob"][[0, 2]], busy_asked["top_logprobs"][[0, 2]]
+    assert (logprob < 0).all() and (top[..., 0] >= logprob - 1e-6).all()
+    assert (np.diff(top, axis=-1) <= 0).all()  # best first
+
+
 def test_chunks_of_one_shape_read_the_attended_slots_the_chunk_before_left(engine):
     # Copying a chunk's attended slots out of the batch costs more than a step's attention
     # reads; it is made again only when the shape changes or a row is put in.
@@ -434,11 +464,12 @@ def test_the_batch_sends_its_settings_to_the_device_only_after_they_change(model
     busy = np.array([True, False, False, False])
     first = state.device_inputs(busy)
     assert all(a is b for a, b in zip(first, state.device_inputs(busy.copy()), strict=True))
-    state.set_row_settings(1, SamplingParams(seed=7, temperature=0.5), stop_token=3)
+    state.set_row_settings(1, SamplingParams(seed=7, temperature=0.5), stop_token=3, scored=True)
     changed = state.device_inputs(busy)
     assert changed[0] is not first[0]
     assert np.asarray(changed[0]["seed"]).tolist() == [0, 7, 0, 0]
     assert np.asarray(changed[0]["stop"]).tolist() == [-1, 3, -1, -1]
+    assert np.asarray(changed[0]["scored"]).tolist() == [False, True, False, False]
     moved = state.device_inputs(np.array([True, True, False, False]))
     assert np.asarray(moved[1]).tolist() == [True, True, False, False]
 

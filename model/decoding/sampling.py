@@ -139,3 +139,21 @@ def token_scores(logits_xV: jax.Array, token_x: jax.Array) -> dict[str, jax.Arra
         "top_ids": top_ids.astype(jnp.int32),
         "top_logprobs": top_lp,
     }
+
+
+def token_scores_if(wanted: jax.Array, logits_xV: jax.Array, token_x: jax.Array) -> dict:
+    """`token_scores` where `wanted` (a traced bool), else its arrays as zeros, skipping the
+    softmax and top-k over the vocabulary: with GPT-2's 50,257 tokens a 16-row step of a small
+    model took 27 ms without them against 31-33 ms with (2 cores of an AVX-512 Xeon). On GPUs
+    always scored, as `filter_unless_off` always filters: a `cond` would wait on the host."""
+
+    def zeros(logits_xV, token_x):
+        shapes = jax.eval_shape(token_scores, logits_xV, token_x)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def skip_unless_wanted(logits_xV, token_x):
+        return jax.lax.cond(wanted, token_scores, zeros, logits_xV, token_x)
+
+    return jax.lax.platform_dependent(
+        logits_xV, token_x, default=skip_unless_wanted, **dict.fromkeys(GPU_PLATFORMS, token_scores)
+    )

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.decoding.sampling import sample_logits, token_scores
+from model.decoding.sampling import sample_logits, token_scores_if
 from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import (
     PAD_ID,
@@ -83,18 +83,21 @@ def batch_settings(rows: int) -> dict[str, np.ndarray]:
         "top_k": np.zeros((rows,), np.int32),
         "top_p": np.ones((rows,), np.float32),
         "stop": np.full((rows,), -1, np.int32),
+        "scored": np.zeros((rows,), bool),  # the request asked for log-probabilities
     }
 
 
 def set_row_settings(
-    settings: dict, slot: int, sampling: SamplingParams, stop_token: int | None
+    settings: dict, slot: int, sampling: SamplingParams, stop_token: int | None, scored: bool
 ) -> None:
-    """Write a request's sampling settings and stop token into row `slot` of `settings`."""
+    """Write a request's sampling settings, stop token and whether it asked for
+    log-probabilities into row `slot` of `settings`."""
     settings["seed"][slot] = sampling.seed
     settings["temperature"][slot] = sampling.temperature
     settings["top_k"][slot] = sampling.top_k
     settings["top_p"][slot] = sampling.top_p
     settings["stop"][slot] = -1 if stop_token is None else stop_token
+    settings["scored"][slot] = scored
 
 
 def attention_lengths(size: int, fine: bool) -> list[int]:
@@ -191,7 +194,8 @@ def batch_chunk(
     Returns ((batch, attended), out), the chunk's keys and values written into both; for the
     rows run, out["token"] [rows, chunk_size] (PAD_ID for free slots, for rows past their
     stop token and past n_steps) and each token's `token_scores` ("logprob" [rows,
-    chunk_size], "top_ids"/"top_logprobs" [rows, chunk_size, 5]). `head_DxV`: the output
+    chunk_size], "top_ids"/"top_logprobs" [rows, chunk_size, 5]; on a CPU or TPU, zeros in a
+    chunk where no busy row's settings ask for them). `head_DxV`: the output
     layer as `GPT.decoding_head` gives it (None: the model's own)."""
     model = nnx.merge(graphdef, state)
     batch, attended = carry
@@ -202,6 +206,9 @@ def batch_chunk(
     # the chunk's own (`recent`), written in at its end.
     head["recent"], head["at"] = chunk_buffer(model.cfg, rows, chunk_size), jnp.int32(0)
     start_B = head["pos"]
+    # Log-probabilities (a softmax and a top-5 over the vocabulary, every row, every step)
+    # only in chunks where a busy row asked for them (on a GPU, always).
+    scored = jnp.any(settings["scored"] & active_B)
 
     def step(c):
         # A free row runs at position `at`: it sees the buffer's slots 0..at only (never no
@@ -218,7 +225,7 @@ def batch_chunk(
         token_B = sample_logits(
             logits_BxV, keys_B, settings["temperature"], settings["top_k"], settings["top_p"]
         )
-        scores = token_scores(logits_BxV, token_B)
+        scores = token_scores_if(scored, logits_BxV, token_B)
         live_B = active_B & ~c["done"]
         emitted_B = jnp.where(live_B, token_B, PAD_ID)
         advance_B = active_B.astype(jnp.int32)

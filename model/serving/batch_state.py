@@ -45,8 +45,10 @@ class BatchState:
         self._attended = None
         self.carry = put_row(self.carry, row, np.int32(slot))
 
-    def set_row_settings(self, slot: int, sampling: SamplingParams, stop_token: int | None) -> None:
-        set_row_settings(self.settings, slot, sampling, stop_token)
+    def set_row_settings(
+        self, slot: int, sampling: SamplingParams, stop_token: int | None, scored: bool
+    ) -> None:
+        set_row_settings(self.settings, slot, sampling, stop_token, scored)
 
     def device_inputs(self, active: np.ndarray) -> tuple[dict, jax.Array]:
         """The settings and the busy mask `active` on the device: sent again only when

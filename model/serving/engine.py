@@ -269,7 +269,8 @@ class Engine:
         self.batch.put_row(row, slot)
         self.pos[slot] = keep
         self.kept[slot] = KeptPrefix(prompt[:keep], scores)
-        self.batch.set_row_settings(slot, request.sampling, self.stop_token)
+        wants_scores = request.logprobs is not None
+        self.batch.set_row_settings(slot, request.sampling, self.stop_token, wants_scores)
         self.slots[slot] = request
         self.texts[slot] = StopText(request.stop)
         self.outboxes[slot] = Outbox(self.stream_interval_s)
