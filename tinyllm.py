@@ -52,6 +52,7 @@ from configs.schema import (
     load_config,
     resolve_config_path,
 )
+from model.processes.compilation_cache import enable_compilation_cache, kept_programs
 from plumbing.cli import (
     OneLineParser,
     is_out_of_memory,
@@ -236,37 +237,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def compilation_cache_folder() -> Path | None:
-    """Where compiled programs are kept: TINYLLM_XLA_CACHE (empty string: nowhere), by
-    default ~/.cache/tinyllm/xla; None when it is off or cannot be created."""
-    folder = os.environ.get("TINYLLM_XLA_CACHE", str(Path.home() / ".cache" / "tinyllm" / "xla"))
-    if not folder:
-        return None
-    try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None  # a read-only home: run without the cache
-    return Path(folder)
-
-
-def enable_compilation_cache() -> None:
-    """Keep XLA's compiled programs on disk (JAX's persistent cache), so a second training run
-    or server starts at once. Sampling keeps its own programs (model.decoding.program_cache), and a
-    process that only samples leaves JAX's cache off: an executable read from it could not be
-    kept in ours.
-    """
-    folder = compilation_cache_folder()
-    if folder is None:
-        return
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    # Sharded cuDNN attention (custom_partitioning) puts a process pointer into the module;
-    # left in the cache key, no later process would ever find its program.
-    jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
-
-
 def command_line_config(args: argparse.Namespace) -> Config:
     """The config file with the command line's settings on top: the command line wins
     (argument_problem has refused a flag and a key=value pair that disagree). Where --input or
@@ -335,12 +305,11 @@ def run(args: argparse.Namespace) -> int:
         with run_dir_lock(run_dir):  # released before --inference, which only reads
             run_writing_stages(args, cfg, run_dir)
     if args.inference:
-        from model.decoding.program_cache import ProgramCache
         from model.inference_stage import run_inference
 
-        folder = compilation_cache_folder()
-        cache = ProgramCache(folder / "programs") if folder is not None else None
-        code = run_inference(cfg, run_dir, interactive=args.interactive, program_cache=cache)
+        code = run_inference(
+            cfg, run_dir, interactive=args.interactive, program_cache=kept_programs()
+        )
         if code or not args.serve:
             return code
     if args.serve:
@@ -386,11 +355,9 @@ def run_writing_stages(args: argparse.Namespace, cfg, run_dir: Path) -> None:
 
         run_tokenize(cfg, run_dir)
     if args.train:
-        from model.decoding.program_cache import ProgramCache
         from model.train_stage import run_train
 
-        folder = compilation_cache_folder()
-        programs = ProgramCache(folder / "programs") if folder is not None else None
+        programs = kept_programs()
         # The keys the command line set (a tokenizer made in this call is made from them).
         given = {s.key for s in command_line_settings(args)}
         if args.tokenize:

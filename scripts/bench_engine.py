@@ -157,9 +157,9 @@ def main(argv: list[str] | None = None) -> None:
         configure_cpu_kernels()  # as `--serve` does, before JAX starts its backend
         import jax
 
-        import tinyllm
+        from model.processes.compilation_cache import enable_compilation_cache
 
-        tinyllm.enable_compilation_cache()  # as `--serve`: a second start skips compiling
+        enable_compilation_cache()  # as `--serve`: a second start skips compiling
 
         from model.rundir.trained import load_for_sampling
         from model.serving.engine import Engine

@@ -124,9 +124,9 @@ def x_shards(trainer, splits):
 
 
 if __name__ == "__main__":
-    import tinyllm
+    from model.processes.compilation_cache import enable_compilation_cache
 
     # As --train does: the fresh and the resumed trainer compile the same step (counted as
     # compiles all the same: JAX reports a disk-cache hit as a compilation of its own).
-    tinyllm.enable_compilation_cache()
+    enable_compilation_cache()
     print(json.dumps(short_run(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), resume=True)))

@@ -30,6 +30,7 @@ from model.network.moe import (
     router_z_loss,
     top_k_routing,
 )
+from model.processes.compilation_cache import enable_compilation_cache
 from model.rundir.checkpoints import Checkpoints
 from model.train_stage import run_train
 from model.training.metrics import read_metrics
@@ -240,7 +241,7 @@ def _train_config(corpus: Path, *extra: str):
 
 def test_moe_model_trains_through_run_train_and_resumes_exactly(tmp_path):
     # As the CLI does: the three runs below compile the same programs, compiled once here.
-    tinyllm.enable_compilation_cache()
+    enable_compilation_cache()
     corpus = tmp_path / "tiny.txt"
     words = np.array(["to", "be", "or", "not", "that", "is", "the", "question"])
     lines = [" ".join(np.random.default_rng(i).choice(words, 8)) for i in range(300)]

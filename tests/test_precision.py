@@ -164,8 +164,8 @@ sys.path.insert(0, {root!r})
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import tinyllm
-tinyllm.enable_compilation_cache()
+from model.processes.compilation_cache import enable_compilation_cache
+enable_compilation_cache()
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 if {keep_pointer}:
     jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", False)

@@ -19,8 +19,8 @@ from model.network.gpt import GPT, count_params, flops_per_token
 from model.network.loss import cross_entropy
 from model.quantization.kernels import fake_quant_tree
 from model.training.config import TrainConfig
+from model.training.objective import training_loss
 from model.training.optim import muon_dimensions
-from model.training.trainer import training_loss
 from plumbing.errors import UsageError
 from tests.test_recipe import named_leaves
 from tests.tiny_models import TINY, forward, random_tokens, tiny_model

@@ -231,7 +231,7 @@ def activation_bytes(model_cfg, train_cfg, rows: int, platform: str | None = Non
     import jax.numpy as jnp
 
     from model.accelerators.gpu_host import traced_as
-    from model.training.trainer import training_loss
+    from model.training.objective import training_loss
 
     try:  # the residuals JAX's autodiff keeps for the backward pass, with where they come from
         from jax._src.ad_checkpoint import saved_residuals

@@ -7,4 +7,5 @@ distributed.py  several processes and hosts: start-up, who writes, agreeing to s
 stderr_guard.py a lost peer as one line: the filter between JAX's native stderr and the terminal
 determinism.py  train.deterministic: XLA's deterministic GPU kernels, set before JAX starts
 xla_flags.py    XLA_FLAGS written in one place (the user's own setting wins)
+compilation_cache.py  where compiled programs are kept between processes (JAX's cache, ours)
 """

@@ -3,6 +3,7 @@
 config.py    TrainConfig: the [train] section
 data.py      the token cache and the batches drawn from it
 trainer.py   the compiled step that advances the state, evaluation
+objective.py the loss the step differentiates (cross-entropy, auxiliary losses, QAT weights)
 state.py     TrainState: params, optimizer state, step and key, held flat
 kept_programs.py  the step, evaluation and initialisation kept compiled for the next run
 loop.py      the loop: logging, evaluation, checkpoints, stopping on a signal
