@@ -1,6 +1,7 @@
 """The serving engine in-process, on a tiny random model: prompt and token log-probabilities
 against a full forward pass, prefix reuse against a cold row, one failing request that leaves
-the engine serving, the stop-string scan, and the one set of sampling checks."""
+the engine serving, and the one set of sampling checks (the batch's compiled chunk alone:
+test_batch.py; the stop-string scan: test_stop_text.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from model.decoding.generate import generate_all
 from model.decoding.programs import compile_programs
@@ -21,7 +20,6 @@ from model.network.attention import traced_for
 from model.serving.engine import DEFAULT_STREAM_INTERVAL_S, Engine
 from model.serving.inbox import Inbox
 from model.serving.requests import EngineStopping, QueueFull, Request
-from model.serving.text import StopText
 from plumbing.errors import UsageError
 from tests.jax_events import COMPILE_EVENT, jax_events
 from tests.tiny_models import forward, tiny_model
@@ -253,39 +251,6 @@ def test_sampling_params_have_one_range_each(params, message):
         params.checked()
 
 
-def first_stop(text: str, stops: list[str]) -> str:
-    """Reference: the text before the first stop string to be completed (at the same end,
-    the one that starts first)."""
-    for end in range(1, len(text) + 1):
-        starts = [end - len(s) for s in stops if s and text[:end].endswith(s)]
-        if starts:
-            return text[: min(starts)]
-    return text
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    st.lists(st.text("abc", min_size=1, max_size=5), max_size=4),
-    st.lists(st.text("abc", max_size=4), max_size=8),
-)
-def test_stop_text_matches_the_reference_for_any_split(stops, parts):
-    text = StopText(stops)
-    out = "".join(text.feed(p.encode()) for p in parts) + text.finish()
-    assert out == first_stop("".join(parts), stops)
-
-
-def test_the_stop_scan_is_linear_in_the_text():
-    # Four stop strings of 3,000-4,000 characters that the text keeps almost matching: the
-    # scan held back and re-checked every candidate end, quadratic in the stop length per
-    # token (hours here); one automaton step per character takes well under a second.
-    stops = ["x" * 3000 + "y", "x" * 4000 + "z", "x" * 3500 + "w", "x" * 3999 + "v"]
-    text = StopText(stops)
-    started = time.perf_counter()
-    sent = "".join(text.feed(b"xxxxxxxx") for _ in range(2000))
-    assert time.perf_counter() - started < 20  # a complexity guard, not a speed target
-    assert sent == "x" * (16_000 - 4000) and not text.stopped
-
-
 @pytest.mark.parametrize("host", ["cpu", "cuda", "tpu"])
 def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(tokenizer, host):
     # Rows of different lengths share chunks: each chunk attends over as many cache slots as
@@ -320,76 +285,6 @@ def test_rows_of_any_length_decode_as_generate_does_across_buckets_and_slides(to
                 expected = expected[:-1]
             np.testing.assert_array_equal(got, expected)
         engine.stop()
-
-
-def test_a_chunk_leaves_free_rows_caches_as_they_were_and_decodes_busy_rows_alike(model):
-    # Free rows run too (at the last slot of the length attended): what they write must not
-    # reach their kept prompts, and a busy row decodes as it would alone.
-    from flax import nnx
-
-    from model.serving.batch import attended_cache, batch_chunk, batch_settings, empty_batch
-
-    graphdef, state = nnx.split(model)
-    batch = empty_batch(model, rows=4)
-    noise = jax.random.normal(jax.random.key(0), batch["cache"][0]["k"].shape)
-    batch["cache"] = jax.tree.map(lambda x: x + noise, batch["cache"])  # kept prompts
-    batch["pos"] = jnp.array([5, 40, 9, 31], jnp.int32)
-    before = jax.tree.map(np.asarray, batch)
-    settings = jax.tree.map(jnp.asarray, batch_settings(4))
-    active = jnp.array([True, False, True, False])
-    length = 48
-    attended = attended_cache(batch, rows=4, length=length)
-    (after, attended), out = batch_chunk(graphdef, state, (batch, attended), settings, active,
-                                         np.int32(4), chunk_size=4, rows=4)  # fmt: skip
-    # The attended slots it hands back are the batch's, written alike: the next chunk of this
-    # shape reads them instead of copying them out of the batch again.
-    expected = attended_cache(after, rows=4, length=length)
-    for got, want in zip(jax.tree.leaves(attended), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    pairs = zip(jax.tree.leaves(before["cache"]), jax.tree.leaves(after["cache"]), strict=True)
-    for old, new in pairs:
-        np.testing.assert_array_equal(np.asarray(new)[[1, 3]], old[[1, 3]])  # every slot
-        np.testing.assert_array_equal(np.asarray(new)[[0, 2], :, 13:], old[[0, 2], :, 13:])
-    assert np.asarray(after["pos"]).tolist() == [9, 40, 13, 31]
-    assert (np.asarray(out["token"])[[1, 3]] == -1).all()
-    alone = empty_batch(model, rows=4)
-    alone["cache"] = jax.tree.map(lambda x: x + noise, alone["cache"])
-    alone["pos"] = jnp.array([5, 0, 0, 0], jnp.int32)
-    alone_carry = (alone, attended_cache(alone, rows=1, length=length))
-    _, alone_out = batch_chunk(graphdef, state, alone_carry, settings,
-                               jnp.array([True] + [False] * 3), np.int32(4), chunk_size=4,
-                               rows=1)  # fmt: skip
-    np.testing.assert_array_equal(np.asarray(out["token"])[0], np.asarray(alone_out["token"])[0])
-
-
-def test_a_chunk_scores_its_tokens_only_when_a_busy_row_asked_for_log_probabilities(model):
-    # The softmax and top-5 over the vocabulary cost every row every step; a chunk skips
-    # them unless a busy row's request wants them, and its tokens are the same either way.
-    from flax import nnx
-
-    from model.serving.batch import attended_cache, batch_chunk, batch_settings, empty_batch
-
-    graphdef, state = nnx.split(model)
-    active = jnp.array([True, False, True, False])
-
-    def chunk(scored_rows):
-        batch = empty_batch(model, rows=4)  # a new one each time: the chunk donates it
-        batch["pos"] = jnp.array([3, 0, 7, 0], jnp.int32)
-        settings = batch_settings(4)
-        settings["temperature"][:] = 0.8
-        settings["scored"][scored_rows] = True
-        carry = (batch, attended_cache(batch, rows=4, length=32))
-        _, out = batch_chunk(graphdef, state, carry, jax.tree.map(jnp.asarray, settings),
-                             active, np.int32(4), chunk_size=4, rows=4)  # fmt: skip
-        return jax.tree.map(np.asarray, out)
-
-    plain, idle_asked, busy_asked = chunk([]), chunk([1]), chunk([2])
-    for out in (plain, idle_asked):
-        assert not out["logprob"].any() and not out["top_logprobs"].any()
-    np.testing.assert_array_equal(plain["token"], busy_asked["token"])
-    logprob, top = busy_asked["logprob"][[0, 2]], busy_asked["top_logprobs"][[0, 2]]
-    assert (logprob < 0).all() and (top[..., 0] >= logprob - 1e-6).all()
-    assert (np.diff(top, axis=-1) <= 0).all()  # best first
 
 
 def test_chunks_of_one_shape_read_the_attended_slots_the_chunk_before_left(engine):
@@ -455,32 +350,6 @@ def test_requests_that_end_by_length_run_no_step_past_their_max_tokens(engine):
     # A chunk's rows share its step count: the 6-token row runs 1 + 4 + 4, then sits out
     # while the 21-token one runs to exactly 21.
     assert launched == [(1, 2), (4, 2), (4, 2), (4, 1), (4, 1), (4, 1)], launched
-
-
-def test_the_batch_sends_its_settings_to_the_device_only_after_they_change(model):
-    from model.serving.batch_state import BatchState
-
-    state = BatchState(model, rows=4)
-    busy = np.array([True, False, False, False])
-    first = state.device_inputs(busy)
-    assert all(a is b for a, b in zip(first, state.device_inputs(busy.copy()), strict=True))
-    state.set_row_settings(1, SamplingParams(seed=7, temperature=0.5), stop_token=3, scored=True)
-    changed = state.device_inputs(busy)
-    assert changed[0] is not first[0]
-    assert np.asarray(changed[0]["seed"]).tolist() == [0, 7, 0, 0]
-    assert np.asarray(changed[0]["stop"]).tolist() == [-1, 3, -1, -1]
-    assert np.asarray(changed[0]["scored"]).tolist() == [False, True, False, False]
-    moved = state.device_inputs(np.array([True, True, False, False]))
-    assert np.asarray(moved[1]).tolist() == [True, True, False, False]
-
-
-def test_the_full_batch_attends_over_eighths_of_the_context_and_fewer_rows_over_quarters():
-    from model.serving.batch import attention_lengths
-
-    assert attention_lengths(256, fine=True) == [32, 64, 96, 128, 160, 192, 224, 256]
-    assert attention_lengths(256, fine=False) == [64, 128, 256]
-    assert attention_lengths(1024, fine=True)[:2] == [128, 256]
-    assert attention_lengths(64, fine=True) == [32, 64] and attention_lengths(20, True) == [20]
 
 
 def test_the_engine_decodes_with_the_tied_head_laid_out_d_by_v_and_the_same_logits(engine, model):
