@@ -1,6 +1,11 @@
 """The tiny run that tests/test_faults_run.py and tests/test_faults_damage.py inject faults
 into: an 8-step character-level run on a word corpus (checkpoints at 4 and 8), the CLI
-arguments that make it, and the check that a faulted run replays it."""
+arguments that make it, and the check that a faulted run replays it. Its fixtures, `corpus`,
+`trained` (the run, made once per module that uses it) and `run_copy` (a copy for one test),
+are bound in each of those modules by name:
+
+    corpus, trained, run_copy = fault_runs.corpus, fault_runs.trained, fault_runs.run_copy
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import tinyllm
 from model.training.metrics import read_metrics
@@ -18,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["train.max_steps=8", "train.lr_decay_steps=8", "train.cpu_devices=1"]
 
 
-def fault_corpus(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
     return write_word_corpus(tmp_path_factory.mktemp("corpus") / "words.txt", 400)
 
 
@@ -49,14 +56,16 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in read_metrics(run_dir) if "train_loss" in r}
 
 
-def train_straight(tmp_path_factory, corpus: Path) -> Path:
-    """The uninterrupted 8-step run every fault is compared with."""
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus: Path) -> Path:
+    """The uninterrupted 8-step run every fault is compared with (checkpoints at 4 and 8)."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
     assert tinyllm.main(["--tokenize", "--train", *cli_args(corpus, run_dir)]) == 0
     return run_dir
 
 
-def copy_run(trained: Path, tmp_path: Path) -> Path:
+@pytest.fixture
+def run_copy(trained: Path, tmp_path: Path) -> Path:
     target = tmp_path / "run"
     shutil.copytree(trained, target)
     return target

@@ -20,36 +20,21 @@ import pytest
 from model.rundir.checkpoints import Checkpoints
 from model.rundir.layout import has_checkpoint
 from plumbing.signals import StopRequests, unwind_on_signals
+from tests import fault_runs
 from tests.fault_runs import (
     ROOT,
     STEPS,
     assert_replays,
     cli_args,
-    copy_run,
     error_lines,
-    fault_corpus,
     run_cli,
-    train_straight,
 )
 from tests.tiny_runs import TINY_TRAIN, write_word_corpus
 
 RUNNER = Path(__file__).resolve().parent / "fault_runner.py"
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return fault_corpus(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, corpus) -> Path:
-    """The uninterrupted 8-step run every fault is compared with (checkpoints at 4 and 8)."""
-    return train_straight(tmp_path_factory, corpus)
-
-
-@pytest.fixture
-def run_copy(trained, tmp_path) -> Path:
-    return copy_run(trained, tmp_path)
+corpus, trained, run_copy = fault_runs.corpus, fault_runs.trained, fault_runs.run_copy
 
 
 # -- signals ------------------------------------------------------------------------------

@@ -129,7 +129,8 @@ def test_tokens_per_sec_leaves_out_compiling_and_saving(tmp_path, corpus_file, m
 
     def slow_first_wait(x):  # the loop waits for the first step (its compile) alone
         if not first:
-            first.append(time.sleep(1.5))
+            time.sleep(1.5)
+            first.append(True)
         return real_wait(x)
 
     def slow_save(self, *args, **kwargs):
