@@ -2,6 +2,7 @@
 
     python scripts/bench_time_to_loss.py --nanogpt ~/nanoGPT --input tinyshakespeare.txt
     python scripts/bench_time_to_loss.py --nanogpt ~/nanoGPT --input a.txt --input b.txt
+    python scripts/bench_time_to_loss.py --nanogpt ~/nanoGPT --input a.txt --repeats 3
     python scripts/bench_time_to_loss.py --ablate --input tinyshakespeare.txt --seeds 3
 
 For each text, one program after the other (never at once):
@@ -22,7 +23,8 @@ For each text, one program after the other (never at once):
    --batches 200`, training's own evaluation on the saved checkpoint).
 Both times are whole processes: start-up, data preparation, compilation, training,
 evaluation and checkpoints. The table gives the time ratio and whether tinyllm's loss is at
-or below nanoGPT's.
+or below nanoGPT's. On a noisy machine, --repeats N times N such pairs, one after the other,
+and gives the ratio of the median times with the range of the pairs' ratios.
 
 --ablate trains CONFIG with each recipe option undone in turn, over --seeds seeds, and
 prints the median validation loss and wall time of each: what every option buys.
@@ -189,24 +191,43 @@ def _scored_loss(output: str) -> float:
 def compare(args) -> None:
     rows = []
     for text in args.input:
-        nano = run_nanogpt(args.nanogpt, args.torch_python, text, args.target_batches)
-        ours = run_tinyllm(args.config, text, args.overrides, args.target_batches)
-        ratio = ours["seconds"] / nano["seconds"]
-        reached = "yes" if ours["val_loss"] <= nano["val_loss"] else "no"
-        rows.append(
-            f"| {text.name} | {nano['val_loss']:.4f} in {nano['seconds']:.1f} s | "
-            f"{ours['val_loss']:.4f} in {ours['seconds']:.1f} s | {ratio:.2f}x | {reached} |"
-        )
-        print(f"{text.name}: val loss on the runs' own evaluation batches, then on "
-              f"{args.target_batches}: nanoGPT {nano['printed_val_loss']:.4f}, "
-              f"{nano['val_loss']:.4f}; tinyllm {ours['printed_val_loss']:.4f}, "
-              f"{ours['val_loss']:.4f}; tinyllm time spent: {ours['spent']}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        nanos, ours = [], []
+        for _ in range(args.repeats):  # pairs alternate: a busy minute slows both programs
+            nanos.append(run_nanogpt(args.nanogpt, args.torch_python, text, args.target_batches))
+            ours.append(run_tinyllm(args.config, text, args.overrides, args.target_batches))
+            _print_pair(text, args.target_batches, nanos[-1], ours[-1])
+        rows.append(_compare_row(text, nanos, ours))
     print(f"\n{machine_line()}")
-    print(f"| text | nanoGPT, 2000 iterations | tinyllm, {args.config.name} | time | loss "
-          "at or below nanoGPT's |")  # fmt: skip
+    many = f", median of {args.repeats} pairs" if args.repeats > 1 else ""
+    print(f"| text | nanoGPT, 2000 iterations | tinyllm, {args.config.name} | time{many} | "
+          "loss at or below nanoGPT's |")  # fmt: skip
     print("|---|---|---|---|---|")
     print("\n".join(rows))
+
+
+def _print_pair(text: Path, batches: int, nano: dict, ours: dict) -> None:
+    print(f"{text.name}: val loss on the runs' own evaluation batches, then on {batches}: "
+          f"nanoGPT {nano['printed_val_loss']:.4f}, {nano['val_loss']:.4f} in "
+          f"{nano['seconds']:.1f} s; tinyllm {ours['printed_val_loss']:.4f}, "
+          f"{ours['val_loss']:.4f} in {ours['seconds']:.1f} s "
+          f"({ours['seconds'] / nano['seconds']:.2f}x); tinyllm time spent: {ours['spent']}",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _compare_row(text: Path, nanos: list[dict], ours: list[dict]) -> str:
+    """One text's table row: median seconds and losses, the ratio of the medians (with the
+    pairs' range when there are several), and "yes" only if every pair reached the loss."""
+    nano_s, ours_s = _median(nanos, "seconds"), _median(ours, "seconds")
+    ratio = f"{ours_s / nano_s:.2f}x"
+    if len(nanos) > 1:
+        pairs = sorted(o["seconds"] / n["seconds"] for n, o in zip(nanos, ours, strict=True))
+        ratio += f" ({pairs[0]:.2f} - {pairs[-1]:.2f})"
+    reached = all(o["val_loss"] <= n["val_loss"] for n, o in zip(nanos, ours, strict=True))
+    return (
+        f"| {text.name} | {_median(nanos, 'val_loss'):.4f} in {nano_s:.1f} s | "
+        f"{_median(ours, 'val_loss'):.4f} in {ours_s:.1f} s | {ratio} | "
+        f"{'yes' if reached else 'no'} |"
+    )
 
 
 def run_many(args, runs: list[tuple[Path, list[str]]]) -> list[dict]:
@@ -309,6 +330,8 @@ def main() -> None:
     p.add_argument("--torch-python", default=sys.executable, help="a Python with PyTorch")
     p.add_argument("--target-batches", type=int, default=200, metavar="N", help="validation "
                    "batches each run's final model is scored on, untimed")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=1, metavar="N", help="time each text N "
+                   "times, nanoGPT and tinyllm alternating; the table gives medians")  # fmt: skip
     p.add_argument("--ablate", action="store_true", help="undo each recipe option in turn")
     p.add_argument("--seeds", type=int, default=3, help="seeds per ablation variant")
     p.add_argument("--jobs", type=int, default=1, help="ablation runs at a time, each pinned "
@@ -318,6 +341,8 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write every ablation run's figures here")
     p.add_argument("overrides", nargs="*", help="key=value for tinyllm, as for --train")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, not {args.repeats}")
     for text in args.input:
         if not text.is_file():
             p.error(f"--input {text}: no such file")

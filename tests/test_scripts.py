@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,7 +50,9 @@ def test_a_bad_flag_is_one_line(name, tmp_path):
 
 def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
     """The table from a stand-in nanoGPT checkout (its train.py prints nanoGPT's log lines;
-    its prepare.py must find the text as input.txt) and a few real tinyllm steps."""
+    its prepare.py must find the text as input.txt) and a few real tinyllm steps, in two
+    alternated pairs: the median times, the pairs' range, and "no" as the second pair's
+    nanoGPT reaches a loss tinyllm does not."""
     from tests.tiny_runs import write_word_corpus
 
     nano = tmp_path / "nanoGPT"
@@ -62,12 +65,17 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
         "import pathlib\nassert pathlib.Path('input.txt').stat().st_size > 0\n"
     )
     # The timed call is the README's command (20 eval batches) saving its checkpoint; the
-    # untimed one resumes it and evaluates 200 batches: its loss is the target.
+    # untimed one resumes it and evaluates 200 batches: its loss is the target, 9.5 in the
+    # first pair and 0.5 in the second (a count of those calls kept beside the checkout).
+    calls = tmp_path / "target_calls"
     (nano / "train.py").write_text(
-        "import sys\nargs = sys.argv\nassert '--max_iters=2000' in args\n"
+        "import pathlib, sys\nargs = sys.argv\nassert '--max_iters=2000' in args\n"
+        f"calls = pathlib.Path({str(calls)!r})\n"
         "if '--init_from=resume' in args:\n"
         "    assert '--eval_iters=5' in args\n"
-        "    print('step 2000: train loss 1.8000, val loss 9.5000')\n"
+        "    n = len(calls.read_text()) if calls.exists() else 0\n"
+        "    calls.write_text('x' * (n + 1))\n"
+        "    print(f'step 2000: train loss 1.8000, val loss {9.5 if n == 0 else 0.5:.4f}')\n"
         "else:\n"
         "    assert '--eval_iters=20' in args and '--eval_iters=5' not in args\n"
         "    assert '--always_save_checkpoint=True' in args\n"
@@ -77,16 +85,22 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
     text = write_word_corpus(tmp_path / "words.txt", 300)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_time_to_loss.py"), "--nanogpt", str(nano),
-         "--input", str(text), "--target-batches", "5", "train.max_steps=4",
+         "--input", str(text), "--target-batches", "5", "--repeats", "2", "train.max_steps=4",
          "train.eval_interval=4", "train.eval_steps=2", "train.warmup_steps=1"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert calls.read_text() == "xx"  # two pairs, each with its own untimed target
     (row,) = [line for line in proc.stdout.splitlines() if line.startswith("| words.txt")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1].startswith("9.5000 in ") and cells[3].endswith("x") and cells[4] == "yes"
-    assert "machine: " in proc.stdout  # the CPU model beside the table
-    assert "then on 5: nanoGPT 9.4000, 9.5000; tinyllm " in proc.stderr
+    assert cells[1].startswith("5.0000 in ") and cells[4] == "no", row  # medians; one missed
+    ratio, low, high = map(
+        float, re.fullmatch(r"([\d.]+)x \(([\d.]+) - ([\d.]+)\)", cells[3]).groups()
+    )
+    assert low <= ratio <= high  # two pairs' ratio of summed times lies between theirs
+    assert "median of 2 pairs" in proc.stdout and "machine: " in proc.stdout  # and the CPU
+    pairs = re.findall(r"then on 5: nanoGPT 9\.4000, (\d\.\d+) in [\d.]+ s; tinyllm ", proc.stderr)
+    assert pairs == ["9.5000", "0.5000"], proc.stderr[-2000:]
 
 
 def test_time_to_loss_ablation_gives_equal_steps_and_equal_time(tmp_path):
