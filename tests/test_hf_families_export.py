@@ -1,6 +1,6 @@
 """Llama and Qwen3 out: tiny runs trained here with GPT-2's, Llama's or Qwen3's layers,
 exported and loaded by transformers with our logits, tokens and greedy text, also from a
-quantized run (in, and the families' allowlists: tests/test_hf_families.py)."""
+quantized run (in: tests/test_hf_families.py; the allowlists: tests/test_hf_allowlists.py)."""
 
 # ruff: noqa: F811  (corpus, hf are test_hf_gpt2's fixtures, imported: tests name them)
 
@@ -17,8 +17,8 @@ from model.interop.families import GPT2, LLAMA, QWEN3
 from model.interop.hf_export import export_run
 from model.interop.hf_import import load_hf_model
 from model.rundir.trained import open_trained_run
+from tests.test_hf_allowlists import LLAMA_LAYERS
 from tests.test_hf_export import same_greedy_text
-from tests.test_hf_families import LLAMA_LAYERS
 from tests.test_hf_gpt2 import (  # noqa: F401 (corpus, hf: fixtures)
     ODD_TEXTS,
     corpus,

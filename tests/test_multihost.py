@@ -4,7 +4,7 @@ Two real processes (JAX_COORDINATOR_ADDRESS on a free port, JAX_NUM_PROCESSES=2,
 JAX_PROCESS_ID=0|1, one CPU device each) give the single-process loss curve with the same
 global batch; process 0 alone writes the run's files; --resume replays the curve; a process
 killed with SIGKILL brings the other down within a bound, with one line. The environment
-rules and the waits are unit-tested without JAX.
+rules and the waits alone: tests/test_distributed_env.py.
 """
 
 import json
@@ -23,12 +23,6 @@ import numpy as np
 import pytest
 
 import tinyllm
-from model.processes.distributed import (
-    initialize_kwargs,
-    multi_process_requested,
-    process_index_from_env,
-    wait_for_primary,
-)
 from model.rundir.checkpoints import Checkpoints
 from model.rundir.layout import TOKENIZER_FILE
 from model.train_stage import run_train
@@ -350,42 +344,6 @@ def test_asking_for_cluster_detection_without_a_cluster_is_one_line(
         "defined.)"
     ]
     assert [p.name for p in run_dir.iterdir()] == [TOKENIZER_FILE]  # nothing written
-
-
-def test_launcher_environment_is_read_without_jax():
-    jax_vars = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4"}
-    assert process_index_from_env({**jax_vars, "JAX_PROCESS_ID": "3"}) == 3
-    assert process_index_from_env({}) is None and not multi_process_requested({})
-    slurm = {"SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "1"}
-    assert multi_process_requested(slurm) and process_index_from_env(slurm) == 1
-    one_task = {**slurm, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}
-    assert not multi_process_requested(one_task)  # one task in a SLURM step: one process
-    assert process_index_from_env({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}) == 1
-    off = {**jax_vars, "JAX_PROCESS_ID": "3", "TINYLLM_DISTRIBUTED": "0"}
-    assert not multi_process_requested(off) and process_index_from_env(off) is None
-    # A TPU pod: asked for, detected by JAX, index unknown before JAX starts.
-    assert multi_process_requested({"TINYLLM_DISTRIBUTED": "1"})
-    assert process_index_from_env({"TINYLLM_DISTRIBUTED": "1"}) is None
-
-    kwargs = initialize_kwargs({**jax_vars, "JAX_PROCESS_ID": "3"})
-    assert (kwargs["num_processes"], kwargs["process_id"]) == (4, 3)
-    assert kwargs["coordinator_address"] == "10.0.0.1:1234"
-    assert kwargs["heartbeat_timeout_seconds"] == 30
-    assert "num_processes" not in initialize_kwargs({"TINYLLM_DISTRIBUTED": "1"})  # detected
-    with pytest.raises(UsageError, match="JAX_NUM_PROCESSES or JAX_PROCESS_ID is not"):
-        initialize_kwargs({"JAX_COORDINATOR_ADDRESS": "h:1"})
-    with pytest.raises(UsageError, match=r"JAX_PROCESS_ID must be in 0 \.\. 3"):
-        initialize_kwargs({**jax_vars, "JAX_PROCESS_ID": "4"})
-    with pytest.raises(UsageError, match="JAX_PROCESS_ID must be an integer"):
-        initialize_kwargs({**jax_vars, "JAX_PROCESS_ID": "one"})
-
-
-def test_waiting_for_process_0_is_bounded():
-    with pytest.raises(UsageError, match=r"waited 0.3 s for process 0 to write the token cache"):
-        wait_for_primary(lambda: None, "the token cache", timeout_s=0.3, poll_s=0.05)
-    box: list = []
-    threading.Timer(0.2, box.append, ["ready"]).start()
-    assert wait_for_primary(lambda: box[0] if box else None, "x", 10, poll_s=0.05) == "ready"
 
 
 def test_other_processes_read_the_token_cache_and_never_write_it(
