@@ -343,6 +343,8 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, not {args.repeats}")
+    if args.ablate and args.repeats > 1:
+        p.error("--repeats times the comparison with nanoGPT; --ablate repeats with --seeds")
     for text in args.input:
         if not text.is_file():
             p.error(f"--input {text}: no such file")

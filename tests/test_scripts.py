@@ -103,6 +103,25 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
     assert pairs == ["9.5000", "0.5000"], proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--repeats", "0"], "--repeats must be at least 1, not 0"),
+        (["--ablate", "--repeats", "2"], "--ablate repeats with --seeds"),
+    ],
+)
+def test_time_to_loss_bench_refuses_repeats_it_cannot_run(tmp_path, flags, fragment):
+    text = tmp_path / "words.txt"
+    text.write_text("to be or not to be\n")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_time_to_loss.py"), "--input", str(text),
+         *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) == 1
+
+
 def test_time_to_loss_ablation_gives_equal_steps_and_equal_time(tmp_path):
     """--ablate: the fast config and the variants asked for, a row each with the loss at
     the fast config's steps and at its wall time, and every run's figures in --json."""
