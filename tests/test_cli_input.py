@@ -7,18 +7,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-import pytest
-
 import tinyllm
 from configs.command_line import OVERRIDE_ITEM, split_list_overrides
 from tests.test_cli import assert_one_line_error, run_main
-
-
-@pytest.fixture
-def text_file(tmp_path):
-    path = tmp_path / "plays.txt"
-    path.write_text("ROMEO:\nBut soft, what light through yonder window breaks?\n\n" * 40)
-    return path
 
 
 def parse(argv: list[str]):
@@ -77,11 +68,11 @@ def test_docstring_examples_parse_as_meant():
     )
 
 
-def test_override_after_input_applies_and_an_equals_file_name_works(tmp_path, capsys, text_file):
+def test_override_after_input_applies_and_an_equals_file_name_works(tmp_path, capsys):
     """The docstring's order, run for real: the override reaches the config, and a file named
     `x=1.txt` is read as a file."""
     odd = tmp_path / "x=1.txt"
-    odd.write_bytes(text_file.read_bytes())
+    odd.write_text("ROMEO:\nBut soft, what light through yonder window breaks?\n\n" * 40)
     out = tmp_path / "run"
     argv = ["--tokenize", "--config", "shakespeare", "--out", out, "--input", odd]
     code, lines = run_main(capsys, *argv, "tokenizer.vocab_size=260")
