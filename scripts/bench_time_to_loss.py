@@ -85,6 +85,7 @@ ABLATIONS = [
     ("WSD's cooldown over the last 20% instead of 35%", ["train.decay_fraction=0.2"]),
     ("weight decay 0.1 on Muon's matrices", ["train.weight_decay=0.1"]),
     ("4 heads of 24 instead of 2 of 48", ["model.n_head=4"]),
+    ("4 blocks instead of 3", ["model.n_layer=4"]),
     ("float32 Linear operands (bf16 on AMX)", ["model.linear_operands=float32"]),
     # Options it leaves out, one at a time.
     ("+ U-net skips", ["model.unet_skips=true"]),
