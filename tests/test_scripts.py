@@ -18,6 +18,7 @@ SCRIPTS = [
     "bench_engine",
     "bench_generate",
     "bench_moe",
+    "bench_products",
     "bench_quant",
     "bench_serve",
     "bench_tokenizer",
@@ -201,6 +202,50 @@ def test_engine_bench_times_waves_and_every_row_count(tmp_path):
     for rows in (1, 4):
         assert len(list((tmp_path / "prof" / f"rows{rows}").glob("**/perfetto_trace.json.gz"))) == 1
     assert proc.stdout.count("no device timeline in the trace") == 2
+
+
+def test_products_bench_times_a_runs_own_products_and_the_gain_they_allow(tmp_path):
+    """A tiny char run's products: its blocks' kernels and then the output layer, chained as
+    a step chains them (XLA's chain equals numpy's); a table row per row count with positive
+    times, and the gain line that 16 rows' time against one row's gives."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model.rundir.trained import load_for_sampling
+    from tests.tiny_runs import train_tiny_run
+
+    run_dir = train_tiny_run(tmp_path, "train.max_steps=2")
+    bench = load_script("bench_products")
+    _, model = load_for_sampling(run_dir, None, None)
+    kernels = bench.step_kernels(model)
+    cfg = model.cfg
+    assert len(kernels) == 4 * cfg.n_layer + 1
+    assert kernels[-1].shape == (cfg.n_embd, cfg.vocab_size)
+    x = np.random.default_rng(0).standard_normal((3, cfg.n_embd), dtype=np.float32)
+    by_hand = x
+    for w in kernels:  # each input cut or zero-padded to the kernel's width
+        k = w.shape[0]
+        by_hand = np.pad(by_hand, ((0, 0), (0, max(0, k - by_hand.shape[1]))))[:, :k] @ w
+    pad = lambda a, k: jnp.pad(a, ((0, 0), (0, k - a.shape[1])))  # noqa: E731
+    got = bench.chained(jnp.matmul, pad, jnp.asarray(x), [jnp.asarray(w) for w in kernels])
+    np.testing.assert_allclose(np.asarray(got), by_hand, rtol=1e-4, atol=1e-4)
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_products.py"), "--run", str(run_dir),
+         "--rows", "1", "16", "--repeats", "3"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    rows = [line.strip("|").split("|") for line in lines if line.startswith("| ")]
+    table = [r for r in rows if r[0].strip().isdigit()]
+    assert [int(r[0]) for r in table] == [1, 16]
+    assert all(float(cell) > 0 for r in table for cell in r[1:])
+    gain = re.search(r"batching 16 rows gains at most ([0-9.]+)x", proc.stdout)
+    ms = {int(r[0]): float(r[1]) for r in table}
+    expected = 16 * ms[1] / ms[16]  # from the rounded times: within their rounding
+    assert gain and abs(float(gain.group(1)) - expected) < 0.1 + 0.2 * expected
+    assert "GFLOP/s" in lines[-2]
 
 
 def test_device_trace_counts_a_device_s_kernels_per_step(tmp_path):
