@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from plumbing.errors import UsageError
 from tests.tokenizer_helpers import EOT
 from tokenizer import CharTokenizer, base
+from tokenizer.io import load_tokenizer
 
 CORPUS = "First Citizen:\nBefore we proceed any further, hear me speak.\nÉtienne: ça va? 🙂\n"
 
@@ -56,6 +57,26 @@ def test_special_tokens_get_ids_after_the_characters():
     assert tok.encode(f"a{EOT}b") == [0, 2, 1]
     assert tok.encode_array(f"a{EOT}b{EOT}").tolist() == [0, 2, 1, 2]
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_padding_rounds_the_vocabulary_up_with_characters_the_text_does_not_hold(tmp_path):
+    text = f"ab\ue000{EOT}ba"  # the first placeholder's code point is in the text: skipped
+    tok = CharTokenizer.train(text, special_tokens=[EOT])
+    padded = tok.padded(8)
+    assert padded.vocab_size == 8 and tok.padded(4).vocab_size == 4  # 3 characters + EOT
+    assert tok.padded(2) is tok and tok.padded(1) is tok  # already a multiple: unchanged
+    assert padded.chars[:3] == tok.chars  # the text's characters keep their ids
+    extra = padded.chars[3:]
+    assert extra == ["\ue001", "\ue002", "\ue003", "\ue004"]
+    assert padded.special_tokens == {EOT: 7}  # after the placeholders
+    assert padded.encode(text) == [0, 1, 2, 7, 1, 0] and padded.decode([0, 7, 3]) == f"a{EOT}\ue001"
+    padded.save(tmp_path / "tok.pkl")
+    loaded = load_tokenizer(tmp_path / "tok.pkl")
+    assert loaded.vocab == padded.vocab and loaded.special_tokens == padded.special_tokens
+    assert loaded.encode_array(text).tolist() == padded.encode(text)
+    # Two texts of different character sets: one vocabulary size.
+    assert CharTokenizer.train(CORPUS).padded(128).vocab_size == 128
+    assert CharTokenizer.train("xyz").padded(128).vocab_size == 128
 
 
 def test_bpe_arguments_are_accepted_and_ignored():

@@ -143,6 +143,9 @@ def test_round_trip_through_dict():
         ('tokenizer.special_tokens=["<a>", "<a>"]', "lists a token twice"),
         ('tokenizer.special_tokens=[""]', "holds an empty string"),
         ('tokenizer.gpt2_files=["vocab.json"]', "must name two files"),
+        ("tokenizer.pad_to_multiple=0", "tokenizer.pad_to_multiple must be positive"),
+        ("tokenizer.pad_to_multiple=5000", "tokenizer.pad_to_multiple must be at most 4096"),
+        ("tokenizer.pad_to_multiple=64", "pads a char tokenizer's vocabulary"),  # a bpe config
         ("model.n_layer=1e30", "model.n_layer must be at most 1024"),
         ("model.block_size=1e12", "model.block_size must be at most 2147483647"),
         ("model.n_embd=1e12", "model.n_embd must be at most"),

@@ -26,6 +26,7 @@ from model.training.kept_programs import KeptProgram, kept
 from model.training.trainer import Trainer, seed_key
 from tests.jax_events import COMPILE_EVENT, TRACE_EVENT, jax_events
 from tests.tiny_runs import ROOT, TINY_TRAIN, run_python_json, write_word_corpus
+from tokenizer.io import load_tokenizer
 
 PROGRAMS = {"train-init-params", "train-init-optimizer", "train-step", "train-evaluation"}
 KINDS = PROGRAMS | {"train-initial-params"}  # the initialiser's output is kept too
@@ -49,10 +50,10 @@ def entries(folder: Path) -> dict[str, list[Path]]:
     return found
 
 
-def train(tmp_path: Path, out: str, cache: Path, *extra: str) -> list[str]:
-    """`tinyllm.py --tokenize --train` in a process of its own on two CPU devices; the
-    debug log's lines about kept programs."""
-    corpus = write_word_corpus(tmp_path / "corpus.txt", 60)
+def train(tmp_path: Path, out: str, cache: Path, *extra: str, corpus: Path | None = None):
+    """`tinyllm.py --tokenize --train` in a process of its own on two CPU devices (on
+    `corpus`, or a word corpus); the debug log's lines about kept programs."""
+    corpus = corpus or write_word_corpus(tmp_path / "corpus.txt", 60)
     argv = [sys.executable, str(ROOT / "tinyllm.py"), "--tokenize", "--train", "--debug"]
     argv += ["--config", "shakespeare_char", "--input", str(corpus), "--out", str(tmp_path / out)]
     argv += [*TINY_TRAIN, "train.max_steps=6", "train.cpu_devices=2", *extra]
@@ -100,6 +101,24 @@ def test_a_second_run_reads_every_program_and_trains_the_same(tmp_path):
     assert len(logged) < len(metrics(tmp_path / "first"))
     assert all(record in metrics(tmp_path / "first") for record in logged)
     assert len(entries(cache / "programs")["train-step"]) == 8  # its pointers only
+
+
+def test_texts_of_other_characters_share_programs_when_the_vocabulary_is_padded(tmp_path):
+    """tokenizer.pad_to_multiple gives texts of different character sets one vocabulary
+    size, so a run of one text reads every program that the run of another kept."""
+    cache, pad = tmp_path / "cache", "tokenizer.pad_to_multiple=32"
+    first = train(tmp_path, "first", cache, pad)
+    assert all("compiled" in line for line in first) and len(first) == len(PROGRAMS)
+    other = tmp_path / "other.txt"  # other words, other letters (and capitals)
+    other.write_text("Quick brown foxes jump over lazy dogs; zebras vex him.\n" * 60)
+    second = train(tmp_path, "second", cache, pad, corpus=other)
+    assert sorted(line.split("debug: ")[-1] for line in second) == [  # as a second run's
+        "train-evaluation: kept program read ahead",
+        "train-init-optimizer: kept program read ahead",
+        "train-step: kept program read ahead from the config",
+    ]
+    chars = [load_tokenizer(tmp_path / run / "tokenizer.pkl").chars for run in ("first", "second")]
+    assert set(chars[0]) != set(chars[1]) and len(chars[0]) == len(chars[1]) == 32
 
 
 def test_a_trainer_whose_programs_are_kept_traces_and_compiles_nothing(tmp_path):

@@ -7,6 +7,16 @@ characters.
     >>> tok = CharTokenizer.train("hello world")
     >>> tok.encode("low"), tok.decode([3, 5])
     ([4, 5, 7], 'ho')
+
+`padded(m)` rounds the vocabulary up to a multiple of m with placeholder characters that the
+text does not hold (Unicode's private use area, from U+E000), after the text's own and before
+the special tokens. Texts of different character sets then give a model of one shape, whose
+compiled programs a run of any of them can reuse (tokenizer.pad_to_multiple). The model never
+sees a placeholder in training and learns to give them no probability.
+
+    >>> tok = CharTokenizer.train("hello world").padded(16)
+    >>> tok.vocab_size, tok.encode("low"), tok.decode([3, 5])
+    (16, [4, 5, 7], 'ho')
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from tokenizer.base import Tokenizer, normalize_specials
 from tokenizer.pretokenize import compile_specials, iter_safe_pieces, split_specials
 
 UNKNOWN = np.uint32(0xFFFFFFFF)  # no character of the vocabulary has this code point
+PLACEHOLDERS = range(0xE000, 0xF900)  # the Basic Multilingual Plane's private use area
 
 
 class CharTokenizer(Tokenizer):
@@ -81,6 +92,21 @@ class CharTokenizer(Tokenizer):
             )
         chars = sorted(seen)
         return cls(chars, {s: len(chars) + k for k, s in enumerate(specials)})
+
+    def padded(self, multiple: int) -> CharTokenizer:
+        """This vocabulary rounded up to a multiple of `multiple` tokens (special tokens
+        included): placeholder characters after the text's own, then the special tokens at
+        ids after them. The text's characters keep their ids."""
+        missing = -self.vocab_size % multiple
+        if missing == 0:
+            return self
+        have = set(self.chars)
+        extra = [chr(p) for p in PLACEHOLDERS if chr(p) not in have][:missing]
+        if len(extra) < missing:
+            raise UsageError(f"no room for {missing} placeholder characters: pad to less")
+        chars = self.chars + extra
+        order = sorted(self.special_tokens, key=self.special_tokens.__getitem__)
+        return CharTokenizer(chars, {s: len(chars) + k for k, s in enumerate(order)})
 
     def _encode_ordinary(self, text: str) -> list[int]:
         """One id per character."""

@@ -14,6 +14,7 @@ from plumbing.errors import UsageError
 from tokenizer.pretokenize import PATTERNS
 
 KINDS = ("bpe", "char", "gpt2")
+MAX_PAD_MULTIPLE = 4096  # placeholders come from Unicode's private use area (6,400 points)
 
 
 @dataclass
@@ -23,6 +24,9 @@ class TokenizerConfig:
     special_tokens: list[str] = field(default_factory=lambda: ["<|endoftext|>"])
     pattern: str = "gpt2"  # pre-tokenization regex: gpt2 | gpt4 | llama3 | qwen2
     gpt2_files: list[str] = field(default_factory=list)  # vocab.json + merges.txt (kind=gpt2)
+    # char only: unused placeholder ids round the vocabulary up to a multiple of this, so
+    # that texts of different character sets give the model one shape (tokenizer/char.py)
+    pad_to_multiple: int = 1
 
     def validate(self) -> Self:
         """Raise UsageError naming the first bad value; return self if all are good."""
@@ -44,6 +48,13 @@ class TokenizerConfig:
             raise UsageError("tokenizer.special_tokens holds an empty string: remove it")
         if len(set(self.special_tokens)) != len(self.special_tokens):
             raise UsageError(f"tokenizer.special_tokens lists a token twice: {self.special_tokens}")
+        checks.positive("tokenizer.pad_to_multiple", self.pad_to_multiple)
+        checks.at_most("tokenizer.pad_to_multiple", self.pad_to_multiple, MAX_PAD_MULTIPLE)
+        if self.pad_to_multiple > 1 and self.kind != "char":
+            raise UsageError(
+                "tokenizer.pad_to_multiple pads a char tokenizer's vocabulary; a bpe or gpt2 "
+                "vocabulary is set by tokenizer.vocab_size or fixed: leave it at 1"
+            )
         if self.gpt2_files and len(self.gpt2_files) != 2:
             raise UsageError("tokenizer.gpt2_files must name two files: vocab.json, merges.txt")
         for name in self.gpt2_files:

@@ -34,7 +34,8 @@ def build_tokenizer(tok: TokenizerConfig, texts: Iterable[str], progress: bool =
         vocab_json, merges_txt = pretrained_gpt2_paths(tok.gpt2_files)
         return BPETokenizer.from_gpt2_files(vocab_json, merges_txt, tok.special_tokens)
     if tok.kind == "char":
-        return CharTokenizer.train(texts, special_tokens=tok.special_tokens)
+        trained = CharTokenizer.train(texts, special_tokens=tok.special_tokens)
+        return trained.padded(tok.pad_to_multiple)
     return BPETokenizer.train(
         texts,
         vocab_size=tok.vocab_size,
@@ -81,6 +82,12 @@ def run_tokenize(cfg: TokenizeSettings, run_dir: Path) -> dict:
         f"{seconds:.1f} s -> {path}",
         file=sys.stderr,
     )
+    if cfg.tokenizer.kind == "char" and cfg.tokenizer.pad_to_multiple > 1:
+        print(
+            f"tokenize: padded to a multiple of {cfg.tokenizer.pad_to_multiple} tokens with "
+            "placeholder characters the text does not hold (tokenizer.pad_to_multiple)",
+            file=sys.stderr,
+        )
     if cfg.tokenizer.kind == "bpe" and tokenizer.vocab_size < cfg.tokenizer.vocab_size:
         print(
             f"tokenize: note: {cfg.tokenizer.vocab_size} tokens were asked for; the text has "
