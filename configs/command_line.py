@@ -64,7 +64,7 @@ def split_list_overrides(args: argparse.Namespace, argv: list[str] | None = None
     """
     moved = False
     for name in ("input", "special_tokens"):
-        items = getattr(args, name)
+        items = getattr(args, name, None)  # a script's parser may have only --input
         for i, item in enumerate(items or ()):
             if OVERRIDE_ITEM.match(item):
                 setattr(args, name, items[:i])

@@ -1,7 +1,7 @@
 """Time to nanoGPT's validation loss: nanoGPT's own train.py against tinyllm, whole processes.
 
     python scripts/bench_time_to_loss.py --nanogpt ~/nanoGPT --input tinyshakespeare.txt
-    python scripts/bench_time_to_loss.py --nanogpt ~/nanoGPT --input a.txt --input b.txt
+    python scripts/bench_time_to_loss.py --nanogpt ~/nanoGPT --input a.txt b.txt
     python scripts/bench_time_to_loss.py --nanogpt ~/nanoGPT --input a.txt --repeats 3
     python scripts/bench_time_to_loss.py --ablate --input tinyshakespeare.txt --seeds 3
 
@@ -53,7 +53,9 @@ sys.path.insert(0, str(ROOT))  # run from a clone, uninstalled
 
 from bench_train import NANOGPT_ARGS  # noqa: E402  (this script's folder is on sys.path)
 
+from configs.command_line import split_list_overrides  # noqa: E402
 from plumbing.cli import OneLineParser  # noqa: E402
+from plumbing.errors import UsageError  # noqa: E402
 from plumbing.machine import machine_line  # noqa: E402
 
 FAST_CONFIG = ROOT / "configs" / "shakespeare_char_fast.toml"
@@ -326,7 +328,8 @@ def _config_steps(config: Path, overrides: list[str]) -> int:
 def main() -> None:
     p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--nanogpt", type=Path, help="a karpathy/nanoGPT checkout")
-    p.add_argument("--input", type=Path, action="append", required=True, help="a text file")
+    p.add_argument("--input", nargs="+", action="extend", required=True,
+                   metavar="FILE", help="text files (or --input once per file)")  # fmt: skip
     p.add_argument("--config", type=Path, default=FAST_CONFIG)
     p.add_argument("--torch-python", default=sys.executable, help="a Python with PyTorch")
     p.add_argument("--target-batches", type=int, default=200, metavar="N", help="validation "
@@ -342,6 +345,10 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write every ablation run's figures here")
     p.add_argument("overrides", nargs="*", help="key=value for tinyllm, as for --train")
     args = p.parse_args()
+    problem = split_list_overrides(args, sys.argv[1:])  # `--input a.txt key=value`, as tinyllm
+    if problem:
+        p.error(problem)
+    args.input = [Path(text) for text in args.input]
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, not {args.repeats}")
     if args.ablate and args.repeats > 1:
@@ -349,6 +356,10 @@ def main() -> None:
     for text in args.input:
         if not text.is_file():
             p.error(f"--input {text}: no such file")
+    try:  # the config and overrides tinyllm will get: refused now, not after nanoGPT's run
+        _config_steps(args.config, args.overrides)
+    except UsageError as err:
+        p.error(str(err))
     if args.ablate:
         ablate(args)
     elif args.nanogpt is None or not (args.nanogpt / "train.py").is_file():

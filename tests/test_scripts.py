@@ -109,15 +109,20 @@ def test_time_to_loss_bench_runs_a_nanogpt_checkout_then_tinyllm(tmp_path):
     [
         (["--repeats", "0"], "--repeats must be at least 1, not 0"),
         (["--ablate", "--repeats", "2"], "--ablate repeats with --seeds"),
+        # --input takes several files at once, as tinyllm.py's does: the second is looked for
+        (["missing.txt"], "--input missing.txt: no such file"),
+        # an override after the files ends them, as in tinyllm.py; tinyllm's overrides are
+        # checked before nanoGPT runs, not after its minutes
+        (["model.n_layer=0"], "model.n_layer must be a positive integer"),
     ],
 )
-def test_time_to_loss_bench_refuses_repeats_it_cannot_run(tmp_path, flags, fragment):
+def test_time_to_loss_bench_refuses_what_it_cannot_run(tmp_path, flags, fragment):
     text = tmp_path / "words.txt"
     text.write_text("to be or not to be\n")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_time_to_loss.py"), "--input", str(text),
          *flags],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.splitlines()) == 1
