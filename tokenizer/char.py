@@ -12,7 +12,7 @@ characters.
 text does not hold (Unicode's private use area, from U+E000), after the text's own and before
 the special tokens. Texts of different character sets then give a model of one shape, whose
 compiled programs a run of any of them can reuse (tokenizer.pad_to_multiple). The model never
-sees a placeholder in training and learns to give them no probability.
+sees a placeholder in training and learns to give them next to no probability.
 
     >>> tok = CharTokenizer.train("hello world").padded(16)
     >>> tok.vocab_size, tok.encode("low"), tok.decode([3, 5])
