@@ -30,6 +30,12 @@ from tokenizer.io import load_tokenizer
 
 PROGRAMS = {"train-init-params", "train-init-optimizer", "train-step", "train-evaluation"}
 KINDS = PROGRAMS | {"train-initial-params"}  # the initialiser's output is kept too
+# What a second run of a config logs of its kept programs, sorted (see the first test).
+SECOND_RUN_READS = [
+    "train-evaluation: kept program read ahead",
+    "train-init-optimizer: kept program read ahead",
+    "train-step: kept program read ahead from the config",
+]
 _NEW_SIZES = itertools.count(3)
 
 
@@ -80,11 +86,7 @@ def test_a_second_run_reads_every_program_and_trains_the_same(tmp_path):
     # the run then calls them with: read once, not again on the first call. The first call's
     # step is read before the trainer exists, from the config alone (ReadAhead). The
     # initialiser's program is not read at all: its output, the parameters, is kept.
-    assert sorted(line.split("debug: ")[-1] for line in second) == [
-        "train-evaluation: kept program read ahead",
-        "train-init-optimizer: kept program read ahead",
-        "train-step: kept program read ahead from the config",
-    ]
+    assert sorted(line.split("debug: ")[-1] for line in second) == SECOND_RUN_READS
     assert metrics(tmp_path / "second") == metrics(tmp_path / "first")
     # Another learning rate is another program (the schedule's constants), not the kept one.
     third = train(tmp_path, "third", cache, "train.learning_rate=1e-3")
@@ -112,11 +114,7 @@ def test_texts_of_other_characters_share_programs_when_the_vocabulary_is_padded(
     other = tmp_path / "other.txt"  # other words, other letters (and capitals)
     other.write_text("Quick brown foxes jump over lazy dogs; zebras vex him.\n" * 60)
     second = train(tmp_path, "second", cache, pad, corpus=other)
-    assert sorted(line.split("debug: ")[-1] for line in second) == [  # as a second run's
-        "train-evaluation: kept program read ahead",
-        "train-init-optimizer: kept program read ahead",
-        "train-step: kept program read ahead from the config",
-    ]
+    assert sorted(line.split("debug: ")[-1] for line in second) == SECOND_RUN_READS
     chars = [load_tokenizer(tmp_path / run / "tokenizer.pkl").chars for run in ("first", "second")]
     assert set(chars[0]) != set(chars[1]) and len(chars[0]) == len(chars[1]) == 32
 
