@@ -1,5 +1,5 @@
 """What a warm training run reads before its trainer exists (model/training/kept_programs.py
-ReadAhead, model/training/executables.py) and the kept initial parameters (KeptValue): the
+ReadAhead, model/decoding/executables.py) and the kept initial parameters (KeptValue): the
 same programs and values as the cold path, taken only where they match, and read without
 importing Flax on the reader's thread."""
 
@@ -85,7 +85,7 @@ import json, sys
 from pathlib import Path
 from model.decoding.program_cache import MAGIC
 import pickle, jax
-from model.training.executables import loaded, loading
+from model.decoding.executables import loaded, loading
 data = Path(sys.argv[1]).read_bytes()
 stored = pickle.loads(data[len(MAGIC) + 32:])
 part = loading(stored, jax.devices())

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.experimental import serialize_executable
 
 from model.decoding.budget import check_memory
+from model.decoding.executables import deserialized
 from model.decoding.program_cache import ProgramCache, jax_disk_cache_reads
 from model.decoding.sampling_params import SamplingParams
 from model.decoding.steps import (
@@ -216,9 +217,7 @@ def _deserialize(stored: Any) -> dict | None:
     try:
         device = sampling_device()
         return {
-            name: serialize_executable.deserialize_and_load(
-                payload, in_tree, out_tree, backend=device.client, execution_devices=[device]
-            )
+            name: deserialized(payload, in_tree, out_tree, [device])
             for name, (payload, in_tree, out_tree) in stored.items()
         }
     except Exception:  # an entry this jaxlib cannot load: compile instead

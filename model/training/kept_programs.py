@@ -48,8 +48,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from model.decoding.executables import Loading, loaded, loading, stored_form
 from model.decoding.program_cache import ProgramCache, jax_disk_cache_off
-from model.training.executables import Loading, loaded, loading, stored_form
 
 _LOG = logging.getLogger("tinyllm")
 # Two readers for every prefetch: programs start loading in the order they were asked for
@@ -313,7 +313,7 @@ def _with_devices(arguments: dict[str, Any], devices) -> dict[str, Any]:
 
 def _read_entry(cache: ProgramCache, kind: str, entry: dict[str, Any], devices) -> Loading | None:
     """The kept program of `entry`, read and its executable rebuilt on `devices`, any thread
-    (model/training/executables.py); None if there is none (or it does not load)."""
+    (model/decoding/executables.py); None if there is none (or it does not load)."""
     stored = cache.get(kind, entry)
     if isinstance(stored, dict):  # this config's pointer to the program under its text
         stored = cache.get(kind, stored["program"])
