@@ -58,8 +58,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: Path, corpus_file: Path, *overrides: str, n: int = 2) -> list:
-    """Start `n` training processes on run_dir; returns [(Popen, path of its output)]."""
+def launch(
+    run_dir: Path, corpus_file: Path, *overrides: str, n: int = 2, env: dict | None = None
+) -> list:
+    """Start `n` training processes on run_dir (`env`: variables to add); returns [(Popen,
+    path of its output)]."""
     cmd = [
         sys.executable,
         str(ROOT / "tinyllm.py"),
@@ -73,14 +76,15 @@ def launch(run_dir: Path, corpus_file: Path, *overrides: str, n: int = 2) -> lis
         *TINY,
         *overrides,
     ]
-    return start_job(cmd, run_dir.parent / f"{run_dir.name}.p", n)
+    return start_job(cmd, run_dir.parent / f"{run_dir.name}.p", n, env)
 
 
-def start_job(cmd: list[str], log_prefix: Path, n: int = 2) -> list:
+def start_job(cmd: list[str], log_prefix: Path, n: int = 2, env: dict | None = None) -> list:
     """`cmd` as the `n` processes of one JAX job on this machine (a free port, JAX's own
-    variables), each writing to log_prefix + its index + .log; [(Popen, log path)]."""
+    variables, and `env`), each writing to log_prefix + its index + .log; [(Popen, log
+    path)]."""
     port = free_port()
-    base = child_env(drop=JAX_VARS)
+    base = {**child_env(drop=JAX_VARS), **(env or {})}
     base["TINYLLM_HEARTBEAT_TIMEOUT_S"] = "10"
     procs = []
     for i in range(n):
@@ -148,15 +152,19 @@ def test_two_processes_match_one_and_resume_replays(tmp_path, corpus_file, singl
     reference = dict(steps_of(single_run, "train_loss"))
     reference_val = dict(steps_of(single_run, "val_loss"))
 
-    first = finish(launch(run_dir, corpus_file, "train.max_steps=4"))
+    # Processes on CPUs keep nothing in JAX's disk cache: a program with gloo collectives read
+    # back from it never returned (JAX 0.12.1, the resumed run's first step).
+    cache = {"TINYLLM_XLA_CACHE": str(tmp_path / "xla")}
+    first = finish(launch(run_dir, corpus_file, "train.max_steps=4", env=cache))
     assert all("2 x cpu" in out for out in first)  # one CPU device per process, 2 in all
+    assert not list((tmp_path / "xla").glob("*-cache"))
     # Process 0 alone built the token cache; the other waited for it and read it.
     assert "encode:" in first[0] and "encode:" not in first[1]
     assert Checkpoints(run_dir).latest_step() == 4
     assert json.loads((run_dir / "config.json").read_text())["train"]["max_steps"] == 4
     assert (run_dir / "loss.png").exists()
 
-    resumed = finish(launch(run_dir, corpus_file, "train.max_steps=8", "--resume"))
+    resumed = finish(launch(run_dir, corpus_file, "train.max_steps=8", "--resume", env=cache))
     assert all("train: done, steps 5-8 in" in out for out in resumed)
     train = steps_of(run_dir, "train_loss")
     # Each step logged once: the second process wrote nothing (no duplicate lines).

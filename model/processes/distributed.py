@@ -158,9 +158,10 @@ def initialize_kwargs(env: Mapping[str, str] | None = None) -> dict:
 def initialize_from_env() -> bool:
     """`jax.distributed.initialize` when the environment asks for several processes.
 
-    Call before anything starts a JAX backend. Idempotent; returns whether JAX now runs
-    distributed. On CPU the processes exchange gradients with gloo collectives over TCP;
-    GPUs and TPUs use their own.
+    Call before anything starts a JAX backend (this starts it). Idempotent; returns whether
+    JAX now runs distributed. On CPU the processes exchange gradients with gloo collectives
+    over TCP, and compile their programs afresh (JAX's disk cache off); GPUs and TPUs use
+    their own collectives.
     """
     if not multi_process_requested():
         return False
@@ -182,6 +183,10 @@ def initialize_from_env() -> bool:
     # JAX's coordination service aborts a process that lost a peer with a C++ fatal log and
     # stack trace: a filter on the native side of stderr turns it into our one line.
     guard_native_stderr(lost_peer_line(jax.process_index(), "{detail}"))
+    if jax.default_backend() == "cpu":
+        # A program with gloo collectives that JAX read back from its disk cache never
+        # returned (JAX 0.12.1: the resumed run's first step): each process compiles its own.
+        jax.config.update("jax_enable_compilation_cache", False)
     return True
 
 
