@@ -1,4 +1,4 @@
-"""A compiled training program as the program cache keeps it, and loaded back in two parts.
+"""A compiled program as the program cache keeps it, and loaded back.
 
 A kept program is `jax.experimental.serialize_executable`'s serialization: XLA's executable
 (with its arguments' layouts) as bytes, and the pytrees of its arguments and results, which
@@ -11,6 +11,8 @@ here are pickled apart (`stored`). Loading it back has two parts:
 
 The split follows jax's own `deserialize_and_load`, whose first half is private (jax 0.10 -
 0.12 have it); where it is missing, `loading` only reads, and `loaded` does all of it.
+Training's programs load in those two parts (model/training/kept_programs.py); sampling's
+decode programs in one call, `deserialized` (model/decoding/programs.py).
 
     >>> stored = stored_form(compiled)                # doctest: +SKIP
     >>> program = loaded(loading(stored, devices))    # doctest: +SKIP
@@ -138,6 +140,7 @@ def _parts(executable: tuple) -> tuple:
 
 
 def _compiled(executable: tuple, in_tree, out_tree):
+    """The callable program of `_parts`' result, loaded onto its devices."""
     unloaded, args_info_flat, no_kwargs, const_args = executable
     args_info = in_tree.unflatten(args_info_flat)
     return jax.stages.Compiled(
