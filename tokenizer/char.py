@@ -90,7 +90,11 @@ class CharTokenizer(Tokenizer):
                 "the corpus is empty (or only special tokens): no characters to build a "
                 "vocabulary from"
             )
-        chars = sorted(seen)
+        return cls._with_specials(sorted(seen), specials)
+
+    @classmethod
+    def _with_specials(cls, chars: list[str], specials: Sequence[str]) -> Self:
+        """The characters at ids 0.., then the special tokens, in order, at the ids after."""
         return cls(chars, {s: len(chars) + k for k, s in enumerate(specials)})
 
     def padded(self, multiple: int) -> CharTokenizer:
@@ -104,9 +108,8 @@ class CharTokenizer(Tokenizer):
         extra = [chr(p) for p in PLACEHOLDERS if chr(p) not in have][:missing]
         if len(extra) < missing:
             raise UsageError(f"no room for {missing} placeholder characters: pad to less")
-        chars = self.chars + extra
         order = sorted(self.special_tokens, key=self.special_tokens.__getitem__)
-        return CharTokenizer(chars, {s: len(chars) + k for k, s in enumerate(order)})
+        return self._with_specials(self.chars + extra, order)
 
     def _encode_ordinary(self, text: str) -> list[int]:
         """One id per character."""

@@ -70,9 +70,7 @@ def loaded(part: Loading | None):
         return None
     try:
         in_tree, out_tree = pickle.loads(part.trees)
-        if part.executable is None:
-            return _jax_loaded(part.payload, in_tree, out_tree, part.devices)
-        return _compiled(part.executable, in_tree, out_tree)
+        return _program(part.executable, part.payload, in_tree, out_tree, part.devices)
     except Exception as err:
         _LOG.debug("a kept program did not load (%s)", err)
         return None
@@ -81,14 +79,14 @@ def loaded(part: Loading | None):
 def deserialized(payload: bytes, in_tree, out_tree, devices):
     """`serialize_executable.deserialize_and_load` onto `devices`, with jax's layout marker
     kept one object (`_AutoLayoutAgain`); raises where the payload does not load."""
-    executable = _unpickled(payload, devices)
-    if executable is None:
-        return _jax_loaded(payload, in_tree, out_tree, devices)
-    return _compiled(executable, in_tree, out_tree)
+    return _program(_unpickled(payload, devices), payload, in_tree, out_tree, devices)
 
 
-def _jax_loaded(payload: bytes, in_tree, out_tree, devices):
-    """jax's own loading, for a jax without the private unpickler."""
+def _program(executable: tuple | None, payload: bytes, in_tree, out_tree, devices):
+    """The callable program of `_unpickled`'s result; where that is None (a jax without the
+    private unpickler), jax's own loading of `payload`."""
+    if executable is not None:
+        return _compiled(executable, in_tree, out_tree)
     devices = list(devices)
     return serialize_executable.deserialize_and_load(
         payload, in_tree, out_tree, backend=devices[0].client, execution_devices=devices
